@@ -1,0 +1,25 @@
+# Each target creates .venv if missing and installs the project into it first.
+# torch is pinned to the local 2.13.0 CPU wheel first so that nothing resolves a CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(FIND_LINKS) "torch==2.13.0"
+	$(PY) -m pip install -q $(FIND_LINKS) -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m autopar.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+bench: $(VENV)/.installed
+	$(PY) -m bench.run_all
+
+.PHONY: install demo test bench

@@ -1,0 +1,503 @@
+"""Analysis: turn captured graphs into a parallelism-independent model profile.
+
+For each distinct block graph (see ``capture``):
+
+- **Linears.** A matmul node one of whose operands is, through view/cast ops, a 2-D parameter
+  placeholder, is a linear layer with that weight.
+- **Column/row pairs.** For a linear ``L`` let ``closure(L)`` be the nodes reachable backwards from
+  its activation operand without passing through another linear or a placeholder. If the closure
+  reaches the block's hidden-state input, ``L`` reads the residual stream: a *column* candidate
+  (attention q/k/v, MLP gate/up). Otherwise, if every linear at the edge of the closure is a column
+  linear, ``L`` is a *row* linear paired with them (attention output, MLP down). Any other linear
+  stays replicated. This finds Megatron's pairs on any model, with no names involved.
+- **Heads.** A column output reshaped to ``(..., n, d)`` with ``n*d == out_features`` has ``n``
+  heads; tensor parallelism of degree ``t`` needs ``t | n`` for every such ``n`` (query heads, KV
+  heads) and ``t | out_features`` for the rest.
+- **Regions.** Nodes in a row's closure, and the paired linears themselves, are in the *TP region*:
+  their FLOPs, bytes and saved activations divide by ``t``. The rest (norms, residual adds) is the
+  *sequence region*: replicated under plain TP, divided by ``t`` with sequence parallelism.
+- **Saved activations per AC mode** (bytes for one sequence of length ``s``):
+  ``none`` is every storage autograd keeps (parameters excluded); ``full`` keeps only the block
+  input; ``selective`` recomputes the attention core when it is quadratic in ``s`` (Korthikanti et
+  al. 2022: ``34sbh`` instead of ``34sbh + 5as^2b`` for a GPT layer) and, when attention is a
+  fused kernel (nothing quadratic to drop), keeps only matmul and attention outputs (op-level
+  selective AC as in torchtitan) and recomputes the element-wise ops.
+
+Outside the blocks (embedding, final norm, head, loss) ops are recorded by the capture's dispatch
+mode; ops touching a vocabulary-sized dimension are vocabulary-parallel under TP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from functools import reduce
+
+import networkx as nx
+import numpy as np
+import sympy
+import torch
+
+from autopar.capture import VIEW_OPS, BlockTrace, ModelTrace, op_flops, op_name, tensor_bytes
+
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+ATTENTION_OPS = {
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "scaled_dot_product_attention", "_flash_attention_forward", "_efficient_attention_forward",
+    "_scaled_dot_product_attention_math",
+}
+KIND_MATMUL, KIND_ATTN, KIND_OTHER = 0, 1, 2
+
+
+@dataclass
+class Linear:
+    node: str
+    weight: str  # parameter name relative to the block
+    in_features: int
+    out_features: int
+    role: str = "replicated"  # column | row | replicated
+    heads: int | None = None  # heads in the output (column) when reshaped to (n, d)
+    partners: tuple[str, ...] = ()  # for a row linear: its column linears (weight names)
+    transposed_storage: bool = True  # weight stored (out, in) as nn.Linear; False for Conv1D
+    fused: bool = False  # output split into several tensors (fused QKV): not TP-shardable
+
+
+@dataclass
+class NodeCosts:
+    """Per-node forward costs for one sequence (batch 1), as arrays."""
+
+    names: list[str]
+    flops: np.ndarray  # FLOPs
+    act_bytes: np.ndarray  # activation bytes read + written (scale with tokens)
+    weight_bytes: np.ndarray  # parameter bytes read (do not scale with tokens)
+    kind: np.ndarray  # KIND_*
+    tp: np.ndarray  # bool: in the TP region
+    causal: np.ndarray  # bool: attention kernel with a causal mask
+    recompute_selective: np.ndarray  # bool: recomputed under selective AC
+
+
+@dataclass
+class BlockProfile:
+    cls_name: str
+    fqns: list[str]
+    linears: list[Linear]
+    costs: NodeCosts
+    params_tp: int  # parameter elements sharded by TP
+    params_rep: int  # parameter elements replicated under TP (norm weights, row biases)
+    param_shapes: dict[str, tuple[int, ...]]
+    # Saved activation bytes for one sequence, per AC mode: (tp-region bytes, sequence-region bytes)
+    saved: dict[str, tuple[float, float]]
+    hidden_bytes: float  # the block's input activation for one sequence
+    tp_divisors: dict[str, int]  # quantity -> count that a TP degree must divide
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    quadratic_attention: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.fqns)
+
+    @property
+    def params(self) -> int:
+        return self.params_tp + self.params_rep
+
+    def fwd_flops(self) -> float:
+        return float(self.costs.flops.sum())
+
+
+@dataclass
+class OuterProfile:
+    """Embedding (pre) or head + loss (post): node costs and saved bytes, vocab-parallel split."""
+
+    costs: NodeCosts
+    params_vocab: int
+    params_rep: int
+    saved_vocab: float
+    saved_rep: float
+
+
+@dataclass
+class ModelProfile:
+    name: str
+    fingerprint: str
+    seq_len: int
+    dtype_bytes: int
+    hidden: int
+    vocab: int
+    blocks: list[BlockProfile]
+    pre: OuterProfile
+    post: OuterProfile
+    block_container: str
+    n_params: int
+    tied: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def n_layers(self) -> int:
+        return sum(b.count for b in self.blocks)
+
+    def layer_sequence(self) -> list[BlockProfile]:
+        """Block profiles in model order (one entry per layer)."""
+        order = sorted((fqn_index(f), b) for b in self.blocks for f in b.fqns)
+        return [b for _, b in order]
+
+    def tp_divisors(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for b in self.blocks:
+            out.update(b.tp_divisors)
+        return out
+
+    def max_tp_check(self, tp: int) -> list[str]:
+        """Reasons why ``tp`` is not a valid TP degree (empty when it is)."""
+        return [f"{k} ({v})" for k, v in self.tp_divisors().items() if v % tp]
+
+    def model_flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward, no recompute): 3x the forward, with full
+        (non-causal) attention as in the usual MFU convention."""
+        fwd = sum(b.fwd_flops() * b.count for b in self.blocks)
+        fwd += self.pre.costs.flops.sum() + self.post.costs.flops.sum()
+        return 3.0 * fwd / self.seq_len
+
+    def flops_expr(self) -> sympy.Expr:
+        """Forward FLOPs of the model as a polynomial in batch ``b`` (the sequence is fixed)."""
+        b = sympy.Symbol("b", positive=True)
+        fwd = sum(b_.fwd_flops() * b_.count for b_ in self.blocks)
+        fwd += float(self.pre.costs.flops.sum() + self.post.costs.flops.sum())
+        return sympy.Integer(int(fwd)) * b
+
+
+def fqn_index(fqn: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in fqn.split("."))
+
+
+def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and op_name(node.target) in VIEW_OPS and node.args:
+        a = node.args[0]
+        if not isinstance(a, torch.fx.Node):
+            break
+        node = a
+    return node
+
+
+def _val(n) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tuple]:
+    """name -> (flops, act_bytes, weight_bytes, kind, causal) for every compute node."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = op_name(n.target)
+        if name in VIEW_OPS or name == "getitem":
+            continue
+        args = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.args)
+        kwargs = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.kwargs)
+        outv = n.meta.get("val")
+        flops = op_flops(n.target, args, kwargs, outv)
+        in_nodes = [a for a in n.all_input_nodes]
+        w_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name in param_nodes)
+        a_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name not in param_nodes)
+        a_bytes += sum(tensor_bytes(o) for o in torch.utils._pytree.tree_leaves(outv))
+        kind = KIND_OTHER
+        causal = False
+        if name in ATTENTION_OPS:
+            kind = KIND_ATTN
+            q, k = _val(n.args[0]), _val(n.args[1])
+            if flops == 0 and q is not None:  # CPU flash kernel is not in flop_registry
+                bq, hq, sq, dq = q.shape
+                flops = 4 * bq * hq * sq * k.shape[-2] * dq
+            causal = bool(n.kwargs.get("is_causal", False)) or any(a is True for a in n.args[3:6])
+        elif name in MATMUL_OPS:
+            kind = KIND_MATMUL
+        out[n.name] = (flops, a_bytes, w_bytes, kind, causal)
+    return out
+
+
+def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
+    gm = bt.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    n_params = len(bt.param_names)
+    param_of = {placeholders[i].name: bt.param_names[i] for i in range(n_params)}
+    tensor_ph = placeholders[n_params:]
+    hidden_ph = {tensor_ph[i].name for i in bt.hidden_input_idx if i < len(tensor_ph)}
+
+    g = nx.DiGraph()
+    for n in gm.graph.nodes:
+        g.add_node(n.name)
+        for a in n.all_input_nodes:
+            g.add_edge(a.name, n.name)
+
+    # Linears: matmul nodes with a 2-D parameter operand.
+    linears: dict[str, Linear] = {}
+    act_input: dict[str, str] = {}
+    bias_of: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or op_name(n.target) not in MATMUL_OPS:
+            continue
+        operands = [a for a in n.args if isinstance(a, torch.fx.Node)]
+        w = [a for a in operands if _strip_views(a).name in param_of and len(bt.param_shapes[param_of[_strip_views(a).name]]) == 2]
+        acts = [a for a in operands if _strip_views(a).name not in param_of]
+        if len(w) != 1 or not acts:
+            continue
+        wname = param_of[_strip_views(w[0]).name]
+        # The weight as the matmul sees it is (in, out): nn.Linear stores (out, in) and
+        # transposes; HF Conv1D stores (in, out) directly.
+        wv = _val(w[0])
+        in_f, out_f = (int(wv.shape[-2]), int(wv.shape[-1])) if wv is not None else bt.param_shapes[wname][::-1]
+        linears[n.name] = Linear(n.name, wname, in_f, out_f)
+        linears[n.name].transposed_storage = tuple(bt.param_shapes[wname]) == (out_f, in_f)
+        act_input[n.name] = acts[-1].name
+        for a in operands:
+            base = _strip_views(a).name
+            if base in param_of and len(bt.param_shapes[param_of[base]]) == 1:
+                bias_of[n.name] = param_of[base]
+
+    def closure(lin: str) -> set[str]:
+        seen, stack = set(), [act_input[lin]]
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            if x in linears or nodes[x].op == "placeholder":
+                continue
+            stack.extend(g.predecessors(x))
+        return seen
+
+    def is_fused(lin: str) -> bool:
+        # Output split along the feature dim (split/chunk, or several slices) before any reshape
+        # into heads: a fused projection whose contiguous column shards would mix q, k and v.
+        frontier, slices = [lin], 0
+        for _ in range(4):
+            nxt = []
+            for x in frontier:
+                for u in g.successors(x):
+                    un = nodes[u]
+                    name = op_name(un.target) if un.op == "call_function" else ""
+                    if name in ("split", "split_with_sizes", "chunk", "unbind"):
+                        return True
+                    if name == "slice":
+                        slices += 1
+                    elif name in ("view", "_unsafe_view", "reshape"):
+                        nxt.append(u)
+            frontier = nxt
+        return slices >= 2
+
+    closures = {lin: closure(lin) for lin in linears}
+    for lin, cl in closures.items():
+        if cl & hidden_ph:
+            if is_fused(lin):
+                linears[lin].fused = True
+            else:
+                linears[lin].role = "column"
+    tp_nodes: set[str] = set()
+    for lin, cl in closures.items():
+        if linears[lin].role == "column":
+            continue
+        edge = [x for x in cl if x in linears and x != lin]
+        if edge and all(linears[e].role == "column" for e in edge):
+            linears[lin].role = "row"
+            linears[lin].partners = tuple(sorted(linears[e].weight for e in edge))
+            tp_nodes |= {x for x in cl if nodes[x].op != "placeholder"} | {lin}
+            tp_nodes |= set(edge)
+    # A column linear without a row partner cannot be sharded on its own.
+    partnered = {p for l in linears.values() for p in l.partners}
+    for l in linears.values():
+        if l.role == "column" and l.weight not in partnered:
+            l.role = "replicated"
+            tp_nodes.discard(l.node)
+
+    # Heads: a column output viewed as (..., n, d) with n*d == out_features.
+    for lin, l in linears.items():
+        if l.role != "column":
+            continue
+        frontier, depth = [lin], 0
+        while frontier and l.heads is None and depth < 6:
+            nxt = []
+            for x in frontier:
+                for u in g.successors(x):
+                    un = nodes[u]
+                    if un.op != "call_function" or op_name(un.target) not in VIEW_OPS:
+                        continue
+                    v = _val(un)
+                    if v is not None and v.dim() >= 2 and v.shape[-2] * v.shape[-1] == l.out_features and v.shape[-1] != l.out_features:
+                        l.heads = int(v.shape[-2])
+                        break
+                    nxt.append(u)
+            frontier, depth = nxt, depth + 1
+
+    tp_div: dict[str, int] = {}
+    for l in linears.values():
+        if l.role == "column":
+            key = f"{l.weight} heads" if l.heads else f"{l.weight} out_features"
+            tp_div[key] = l.heads or l.out_features
+    heads = kv_heads = head_dim = None
+    col_heads = [l for l in linears.values() if l.role == "column" and l.heads]
+    if col_heads:
+        heads = max(l.heads for l in col_heads)
+        kv_heads = min(l.heads for l in col_heads)
+        head_dim = col_heads[0].out_features // col_heads[0].heads
+
+    # Node costs and regions.
+    pnames = set(param_of)
+    raw = _node_costs(gm, pnames)
+    names = list(raw)
+    costs = NodeCosts(
+        names=names,
+        flops=np.array([raw[n][0] for n in names], dtype=np.float64) / batch,
+        act_bytes=np.array([raw[n][1] for n in names], dtype=np.float64) / batch,
+        weight_bytes=np.array([raw[n][2] for n in names], dtype=np.float64),
+        kind=np.array([raw[n][3] for n in names], dtype=np.int8),
+        tp=np.array([n in tp_nodes for n in names], dtype=bool),
+        causal=np.array([raw[n][4] for n in names], dtype=bool),
+        recompute_selective=np.zeros(len(names), dtype=bool),
+    )
+
+    def quadratic(v: torch.Tensor | None) -> bool:
+        return v is not None and sum(1 for d in v.shape if d == seq_len) >= 2
+
+    # Explicit attention: a matmul that is not a linear and produces an (.., s, s) score tensor.
+    quad_attn = any(
+        raw[n][3] == KIND_MATMUL and n not in linears and quadratic(_val(nodes[n])) for n in names
+    )
+    keep_ops = set(linears) | {n for n in names if raw[n][3] == KIND_ATTN}
+    for i, n in enumerate(names):
+        if quad_attn:
+            costs.recompute_selective[i] = quadratic(_val(nodes[n])) or any(
+                quadratic(_val(a)) for a in nodes[n].all_input_nodes
+            )
+        else:
+            costs.recompute_selective[i] = n not in keep_ops
+
+    # Saved activations.
+    def producer_kept(name: str) -> bool:
+        node = nodes[name]
+        if node.op == "call_function" and op_name(node.target) == "getitem":
+            node = node.args[0]
+        return node.name in keep_ops
+
+    hidden_bytes = sum(tensor_bytes(_val(nodes[h])) for h in hidden_ph) / batch
+    none_tp = none_rep = sel_tp = sel_rep = 0.0
+    for name in bt.saved_nodes:
+        node = nodes[name]
+        if node.op == "placeholder" and name not in hidden_ph:
+            continue  # parameters and constant inputs (rotary tables, masks)
+        v = _val(node)
+        nbytes = v.untyped_storage().nbytes() / batch if v is not None else 0
+        if v is not None and any(
+            u.op == "call_function" and op_name(u.target) in ("bernoulli", "bernoulli_") for u in node.users
+        ):
+            nbytes = v.numel() / batch  # dropout mask: bool (1 byte) in the accelerator kernel
+        in_tp = name in tp_nodes or (node.op == "call_function" and op_name(node.target) == "getitem" and node.args[0].name in tp_nodes)
+        if name in hidden_ph:
+            continue  # counted once below, in every mode
+        if in_tp:
+            none_tp += nbytes
+        else:
+            none_rep += nbytes
+        if quad_attn:
+            keep = not quadratic(v)
+        else:
+            keep = producer_kept(name)
+        if keep:
+            if in_tp:
+                sel_tp += nbytes
+            else:
+                sel_rep += nbytes
+    if not quad_attn:
+        # Outputs of kept ops that autograd itself did not save are kept by the SAC policy too.
+        for n in keep_ops:
+            if n in bt.saved_nodes or linears.get(n, Linear("", "", 0, 0)).role == "row":
+                continue
+            v = _val(nodes[n])
+            if v is None:
+                continue
+            vb = v.untyped_storage().nbytes() / batch if v is not None else 0
+            if n in tp_nodes:
+                sel_tp += vb
+            else:
+                sel_rep += vb
+    saved = {
+        "none": (none_tp, none_rep + hidden_bytes),
+        "selective": (min(sel_tp, none_tp), min(sel_rep, none_rep) + hidden_bytes),
+        "full": (0.0, hidden_bytes),
+    }
+
+    tp_weights = set()
+    for l in linears.values():
+        if l.role in ("column", "row"):
+            tp_weights.add(l.weight)
+            if l.role == "column" and l.node in bias_of:
+                tp_weights.add(bias_of[l.node])
+    params_tp = sum(math.prod(bt.param_shapes[w]) for w in tp_weights)
+    params_all = sum(math.prod(s) for s in bt.param_shapes.values())
+    return BlockProfile(
+        cls_name=bt.cls_name, fqns=bt.fqns, linears=list(linears.values()), costs=costs,
+        params_tp=params_tp, params_rep=params_all - params_tp, param_shapes=bt.param_shapes,
+        saved=saved, hidden_bytes=hidden_bytes, tp_divisors=tp_div, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, quadratic_attention=quad_attn,
+    )
+
+
+def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProfile:
+    recs = [r for r in trace.ops if r.segment == segment and r.name not in VIEW_OPS]
+    vocab_op = [any(vocab in s for s in r.out_shapes + r.in_shapes) for r in recs]
+    costs = NodeCosts(
+        names=[r.name for r in recs],
+        flops=np.array([r.flops for r in recs], dtype=np.float64) / batch,
+        act_bytes=np.array([r.bytes for r in recs], dtype=np.float64) / batch,
+        weight_bytes=np.zeros(len(recs)),
+        kind=np.array([KIND_MATMUL if r.name in MATMUL_OPS else KIND_OTHER for r in recs], dtype=np.int8),
+        tp=np.array(vocab_op, dtype=bool),
+        causal=np.zeros(len(recs), dtype=bool),
+        recompute_selective=np.zeros(len(recs), dtype=bool),
+    )
+    pv = pr = 0
+    for name, (shape, owner) in trace.params.items():
+        if owner != "outside":
+            continue
+        seg = "pre" if _is_before_blocks(name, trace) else "post"
+        if seg != segment:
+            continue
+        if vocab in shape:
+            pv += math.prod(shape)
+        else:
+            pr += math.prod(shape)
+    sv = sum(s.bytes for s in trace.saved if s.segment == segment and vocab in s.shape) / batch
+    sr = sum(s.bytes for s in trace.saved if s.segment == segment and vocab not in s.shape) / batch
+    return OuterProfile(costs, pv, pr, sv, sr)
+
+
+def _is_before_blocks(pname: str, trace: ModelTrace) -> bool:
+    """Parameters registered before the block container in module order belong to 'pre'."""
+    order = list(trace.params)
+    first_block = next((i for i, (n, (_, o)) in enumerate(trace.params.items()) if o != "outside"), len(order))
+    return order.index(pname) < first_block
+
+
+def analyze(trace: ModelTrace) -> ModelProfile:
+    vocab = int(trace.extras["vocab_size"])
+    blocks = [analyze_block(b, trace.seq_len, trace.batch) for b in trace.blocks]
+    pre = _outer(trace, "pre", vocab, trace.batch)
+    post = _outer(trace, "post", vocab, trace.batch)
+    hidden = 0
+    if blocks:
+        hidden = int(round(blocks[0].hidden_bytes / (trace.seq_len * torch.tensor([], dtype=trace.dtype).element_size())))
+    fp = hashlib.sha256(trace.fingerprint_src.encode()).hexdigest()[:16]
+    n_params = sum(math.prod(s) for s, _ in trace.params.values())
+    return ModelProfile(
+        name=trace.name, fingerprint=fp, seq_len=trace.seq_len,
+        dtype_bytes=torch.tensor([], dtype=trace.dtype).element_size(), hidden=hidden, vocab=vocab,
+        blocks=blocks, pre=pre, post=post, block_container=trace.block_container,
+        n_params=n_params, tied=trace.tied,
+    )
+
+
+def gcd_all(values) -> int:
+    return reduce(math.gcd, values, 0)

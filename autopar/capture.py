@@ -1,0 +1,369 @@
+"""Capture: trace a model to ATen-level FX graphs on fake tensors, without allocating weights.
+
+Algorithm
+---------
+1. Build (or take) the model under ``FakeTensorMode``: parameters are fake, nothing is allocated,
+   so a 405B model costs a few hundred MB of host memory.
+2. Find the *repeated blocks*: the longest ``nn.ModuleList``/``nn.Sequential`` whose children share
+   a class and a parameter-shape signature (transformer layers). Blocks with different signatures
+   are grouped, one group per signature.
+3. Run one forward (+ loss) of the whole model on fake inputs. Forward pre-hooks capture the inputs
+   of the first block of each signature; a ``TorchDispatchMode`` records every ATen op *outside*
+   the blocks (embedding, final norm, output head, loss) with its FLOPs and bytes, and a
+   ``saved_tensors_hooks`` records what those ops keep for backward.
+4. Trace the first block of each signature with ``make_fx`` (parameters as graph inputs) on the
+   captured inputs. Each node carries ``meta['val']`` (a fake tensor); a ``saved_tensors_hooks``
+   active during tracing marks which node outputs autograd keeps for backward.
+
+Because each distinct block is traced once, capture time hardly grows with the layer count: the
+only per-layer cost is one fake forward, a few milliseconds per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from autopar.errors import TraceError
+
+log = logging.getLogger(__name__)
+
+VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze",
+    "squeeze", "slice", "select", "alias", "detach", "as_strided", "unflatten", "flatten",
+    "split", "split_with_sizes", "chunk", "unbind", "_reshape_alias", "view_as_real",
+    "view_as_complex", "contiguous", "clone", "_to_copy", "to", "lift_fresh_copy",
+}
+
+
+def op_name(target: Any) -> str:
+    """'aten.mm.default' -> 'mm'."""
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+
+
+def tensor_bytes(x: Any) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    fn = flop_registry.get(getattr(func, "overloadpacket", None))
+    if fn is None:
+        return 0
+    shapes = pytree.tree_map(lambda x: x.shape if isinstance(x, torch.Tensor) else x, (args, kwargs, out))
+    try:
+        return int(fn(*shapes[0], **shapes[1], out_val=shapes[2]))
+    except Exception:  # a formula that does not accept these arguments: count as no FLOPs
+        return 0
+
+
+@dataclass
+class OpRecord:
+    """One ATen op outside the repeated blocks (embedding, head, loss)."""
+
+    name: str
+    segment: str  # "pre" (before the first block) or "post" (after the last)
+    flops: int
+    bytes: int
+    out_shapes: list[tuple[int, ...]]
+    in_shapes: list[tuple[int, ...]]
+
+
+@dataclass
+class BlockTrace:
+    """The ATen FX graph of one distinct block, traced on fake tensors."""
+
+    signature: str
+    cls_name: str
+    fqns: list[str]  # every instance of this block in the model, in order
+    gm: torch.fx.GraphModule
+    param_names: list[str]  # placeholder i (of the first len(param_names)) is this parameter
+    param_shapes: dict[str, tuple[int, ...]]
+    hidden_input_idx: list[int]  # indices (among non-param placeholders) of grad-requiring inputs
+    saved_nodes: set[str]  # names of nodes whose output storage autograd saves for backward
+
+
+@dataclass
+class SavedRecord:
+    bytes: int
+    segment: str
+    producer: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ModelTrace:
+    """Everything capture learns about a model, independent of any parallel configuration."""
+
+    name: str
+    batch: int
+    seq_len: int
+    dtype: torch.dtype
+    blocks: list[BlockTrace]
+    block_container: str  # FQN of the ModuleList holding the repeated blocks
+    ops: list[OpRecord]  # outside-block ops (pre/post)
+    saved: list[SavedRecord]  # outside-block saved activations
+    params: dict[str, tuple[tuple[int, ...], str]]  # every parameter: shape, segment/block
+    tied: list[tuple[str, str]]  # parameters shared between two names
+    module_types: dict[str, str]
+    capture_s: float = 0.0
+    fingerprint_src: str = ""
+    extras: dict = field(default_factory=dict)
+
+
+def _signature(m: nn.Module) -> str:
+    shapes = ",".join(f"{n}:{tuple(p.shape)}" for n, p in m.named_parameters())
+    return f"{type(m).__name__}[{shapes}]"
+
+
+def find_block_container(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """The ModuleList/Sequential with the most parameters whose children repeat a signature."""
+    best: tuple[int, str, list] = (0, "", [])
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+            continue
+        kids = list(mod.named_children())
+        sigs = [_signature(k) for _, k in kids]
+        if max(sigs.count(s) for s in set(sigs)) < 2:
+            continue
+        n_params = sum(p.numel() for p in mod.parameters())
+        if n_params > best[0]:
+            best = (n_params, name, [(f"{name}.{k}" if name else k, m) for k, m in kids])
+    return best[1], best[2]
+
+
+class _OutsideRecorder(TorchDispatchMode):
+    """Records ATen ops while no block is running; maps output storages to their producer."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = True
+        self.segment = "pre"
+        self.ops: list[OpRecord] = []
+        self.producer: dict[StorageWeakRef, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.active:
+            name = op_name(func)
+            ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+            nbytes = 0 if name in VIEW_OPS else sum(map(tensor_bytes, ins + outs))
+            self.ops.append(
+                OpRecord(
+                    name, self.segment, op_flops(func, args, kwargs, out), nbytes,
+                    [tuple(o.shape) for o in outs], [tuple(i.shape) for i in ins],
+                )
+            )
+            for o in outs:
+                self.producer.setdefault(StorageWeakRef(o.untyped_storage()), name)
+        return out
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits tensor of a model output: a tensor, an HF ModelOutput, or a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TraceError(f"cannot find logits in the model output of type {type(out).__name__}")
+
+
+def default_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(out)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+
+def _trace_error(e: Exception, what: str) -> TraceError:
+    frames = traceback.extract_tb(e.__traceback__)
+    user = [f for f in frames if "site-packages/torch" not in f.filename]
+    where = f" at {user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else ""
+    return TraceError(
+        f"cannot trace {what}{where}: {type(e).__name__}: {e}. autopar traces the model on fake "
+        "tensors; data-dependent Python control flow or .item()/.tolist() on activations cannot "
+        "be traced. Rewrite that line with tensor ops, or pin a plan that needs no graph."
+    )
+
+
+def trace_model(
+    build_or_model: Callable[[], nn.Module] | nn.Module,
+    *,
+    batch: int,
+    seq_len: int,
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    loss_fn: Callable | None = None,
+    name: str = "model",
+    example_inputs: tuple | None = None,
+) -> ModelTrace:
+    """Trace ``build_or_model`` on fake tensors at (batch, seq_len) token inputs."""
+    t0 = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    prev = torch.get_default_dtype()
+    try:
+        with mode:
+            torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
+            model = build_or_model() if not isinstance(build_or_model, nn.Module) else build_or_model
+    except Exception as e:
+        raise _trace_error(e, f"the construction of {name}") from e
+    finally:
+        torch.set_default_dtype(prev)
+    model.train()
+    container, members = find_block_container(model)
+    by_sig: dict[str, list[tuple[str, nn.Module]]] = {}
+    for fqn, m in members:
+        by_sig.setdefault(_signature(m), []).append((fqn, m))
+    block_fqns = {fqn for fqn, _ in members}
+
+    if vocab_size is None:
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        vocab_size = max((e.num_embeddings for e in embs), default=256)
+
+    captured: dict[str, tuple[tuple, dict]] = {}
+    recorder = _OutsideRecorder()
+    depth = [0]
+    handles = []
+    for sig, insts in by_sig.items():
+        first = insts[0][1]
+
+        def pre(mod, args, kwargs, sig=sig, first=first):
+            if sig not in captured:
+                captured[sig] = (args, kwargs)
+            return None
+
+        handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
+    for fqn, m in members:
+        def enter(mod, args):
+            depth[0] += 1
+            recorder.active = False
+
+        def leave(mod, args, out):
+            depth[0] -= 1
+            recorder.active = depth[0] == 0
+            recorder.segment = "post"
+
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+
+    saved: list[SavedRecord] = []
+    param_storages = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+    seen: set = set()
+
+    def pack(t):
+        if recorder.active and isinstance(t, torch.Tensor):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in param_storages and ref not in seen:
+                seen.add(ref)
+                saved.append(
+                    SavedRecord(
+                        t.untyped_storage().nbytes(), recorder.segment,
+                        recorder.producer.get(ref, "input"), tuple(t.shape),
+                    )
+                )
+        return t
+
+    try:
+        with mode:
+            if example_inputs is None:
+                tokens = torch.randint(0, vocab_size, (batch, seq_len))
+                inputs: tuple = (tokens,)
+            else:
+                inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+                tokens = inputs[0]
+            target = torch.randint(0, vocab_size, tuple(tokens.shape[:2]))
+            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(*inputs)
+                loss = (loss_fn or default_loss)(out, target)
+            del loss, out
+    except TraceError:
+        raise
+    except Exception as e:
+        raise _trace_error(e, f"the forward of {name}") from e
+    finally:
+        for h in handles:
+            h.remove()
+
+    blocks = []
+    for sig, insts in by_sig.items():
+        if sig not in captured:
+            raise TraceError(f"block {insts[0][0]} was never called in the forward of {name}")
+        blocks.append(_trace_block(mode, sig, insts, *captured[sig]))
+
+    params: dict[str, tuple[tuple[int, ...], str]] = {}
+    tied: list[tuple[str, str]] = []
+    by_id: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            tied.append((by_id[id(p)], pname))
+            continue
+        by_id[id(p)] = pname
+        owner = next((b for b in block_fqns if pname.startswith(b + ".")), None)
+        params[pname] = (tuple(p.shape), owner or "outside")
+    module_types = {n: type(m).__name__ for n, m in model.named_modules()}
+    fp_src = repr(sorted((k, v[0]) for k, v in params.items())) + repr(sorted(set(module_types.values())))
+    return ModelTrace(
+        name=name, batch=batch, seq_len=seq_len, dtype=dtype, blocks=blocks,
+        block_container=container, ops=recorder.ops, saved=saved, params=params, tied=tied,
+        module_types=module_types, capture_s=time.perf_counter() - t0, fingerprint_src=fp_src,
+        extras={"vocab_size": vocab_size},
+    )
+
+
+def _trace_block(mode: FakeTensorMode, sig: str, insts: list, args: tuple, kwargs: dict) -> BlockTrace:
+    fqn, block = insts[0]
+    names = [n for n, _ in block.named_parameters()]
+    plist = [p for _, p in block.named_parameters()]
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    tensors = [flat[i] for i in tensor_pos]
+    hidden_idx = [j for j, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()]
+    saved_refs: set = set()
+
+    def pack(t):
+        saved_refs.add(StorageWeakRef(t.untyped_storage()))
+        return t
+
+    def fn(params, *ts):
+        leaves = list(flat)
+        for i, t in zip(tensor_pos, ts):
+            leaves[i] = t
+        a, kw = pytree.tree_unflatten(leaves, spec)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return torch.func.functional_call(block, dict(zip(names, params)), a, kw)
+
+    try:
+        with mode:
+            # Fresh leaves so the trace starts at the block boundary.
+            ts = [t.detach().requires_grad_(j in hidden_idx) for j, t in enumerate(tensors)]
+            ps = [p.detach().requires_grad_(True) for p in plist]
+            gm = make_fx(fn)(ps, *ts)
+    except Exception as e:
+        raise _trace_error(e, f"block {fqn} ({type(block).__name__})") from e
+    saved_nodes = set()
+    first_by_storage: dict[StorageWeakRef, str] = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            first_by_storage.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
+    for ref in saved_refs:
+        if ref in first_by_storage:
+            saved_nodes.add(first_by_storage[ref])
+    return BlockTrace(
+        signature=sig, cls_name=type(block).__name__, fqns=[f for f, _ in insts], gm=gm,
+        param_names=names, param_shapes={n: tuple(p.shape) for n, p in zip(names, plist)},
+        hidden_input_idx=hidden_idx, saved_nodes=saved_nodes,
+    )

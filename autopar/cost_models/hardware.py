@@ -1,0 +1,107 @@
+"""Hardware profiles: the numbers the cost model prices a plan with, as plain data.
+
+A profile is JSON with the data-sheet fields ``name, peak_tflops, memory_gb,
+memory_bandwidth_gbps, gpus_per_node, intra_node_gbps, inter_node_gbps`` (bandwidths per GPU per
+direction, GB/s; memory in GiB) and optional calibration fields that ``autopar tune calibrate``
+fits on a real machine:
+
+- ``efficiency``: achieved fraction of peak for ``matmul`` and ``attention`` FLOPs, of memory
+  bandwidth for ``memory``-bound ops, of link bandwidth for ``collective``; ``fusion`` is the
+  fraction of element-wise bytes that remain after Inductor fuses them.
+- ``latency_us``: per-step collective latency ``intra``/``inter`` node (the alpha of alpha-beta).
+- ``collectives``: fitted alpha-beta pairs per collective and group size, which override the
+  analytic ring model where present.
+- ``reserve_gb``: memory the framework holds beyond the model (context, workspace, fragmentation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+
+from autopar.errors import AutoparError
+
+DEFAULT_EFFICIENCY = {
+    "matmul": 0.62,
+    "attention": 0.45,
+    "memory": 0.70,
+    "collective": 0.75,
+    "fusion": 0.5,
+}
+REQUIRED = (
+    "name", "peak_tflops", "memory_gb", "memory_bandwidth_gbps", "gpus_per_node",
+    "intra_node_gbps", "inter_node_gbps",
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float
+    memory_gb: float
+    memory_bandwidth_gbps: float
+    gpus_per_node: int
+    intra_node_gbps: float
+    inter_node_gbps: float
+    efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
+    latency_us: dict = field(default_factory=lambda: {"intra": 4.0, "inter": 12.0})
+    collectives: dict = field(default_factory=dict)
+    reserve_gb: float = 2.0
+    precision: str = "bf16"
+    note: str = ""
+
+    def eff(self, key: str) -> float:
+        return float(self.efficiency.get(key, DEFAULT_EFFICIENCY[key]))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def with_efficiency(self, **kw) -> "Hardware":
+        return dataclasses.replace(self, efficiency={**self.efficiency, **kw})
+
+
+def _from_dict(d: dict, origin: str) -> Hardware:
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        raise AutoparError(f"hardware profile {origin} lacks {', '.join(missing)}; required: {', '.join(REQUIRED)}")
+    known = {f.name for f in dataclasses.fields(Hardware)}
+    kw = {k: v for k, v in d.items() if k in known}
+    kw["efficiency"] = {**DEFAULT_EFFICIENCY, **d.get("efficiency", {})}
+    for k in ("peak_tflops", "memory_gb", "memory_bandwidth_gbps", "intra_node_gbps", "inter_node_gbps"):
+        if not float(kw[k]) > 0:
+            raise AutoparError(f"hardware profile {origin}: {k} must be positive, got {kw[k]}")
+    return Hardware(**kw)
+
+
+def builtin_names() -> list[str]:
+    files = resources.files("autopar.cost_models").joinpath("profiles").iterdir()
+    return sorted(f.name[:-5] for f in files if f.name.endswith(".json"))
+
+
+ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "cpu": "cpu-gloo"}
+
+
+def load(spec: str | dict | Hardware) -> Hardware:
+    """A profile by built-in name (``h100``, ``a100-80gb``...), JSON path, dict, or as is."""
+    if isinstance(spec, Hardware):
+        return spec
+    if isinstance(spec, dict):
+        return _from_dict(spec, "(dict)")
+    if os.path.exists(spec):
+        with open(spec) as f:
+            try:
+                return _from_dict(json.load(f), spec)
+            except json.JSONDecodeError as e:
+                raise AutoparError(f"hardware profile {spec} is not valid JSON: {e}") from e
+    name = ALIASES.get(spec.lower(), spec.lower())
+    if name in builtin_names():
+        text = resources.files("autopar.cost_models").joinpath("profiles", f"{name}.json").read_text()
+        return _from_dict(json.loads(text), name)
+    raise AutoparError(
+        f"unknown hardware {spec!r}. Known: {', '.join(builtin_names())} "
+        f"(aliases {', '.join(f'{a}={b}' for a, b in ALIASES.items())}), or a JSON file with "
+        f"fields {', '.join(REQUIRED)}"
+    )

@@ -1,0 +1,489 @@
+"""Step time and memory of a whole parallel configuration.
+
+A configuration is a mesh ``pp x dp_replicate x dp_shard x tp`` (TP innermost, so it lands inside
+a node), sequence parallelism, FSDP with a reshard policy, a microbatch size, a pipeline schedule
+with ``v`` virtual stages, and an activation-checkpointing mode per layer.
+
+Per microbatch, every layer on a pipeline rank costs (``LayerCoeffs``, one value per AC mode)::
+
+    t_layer = fwd + bwd + recompute(ac) + tp_comm * (2 + [ac == full])
+              + max(0, AG_fsdp - fwd) + max(0, [reshard] AG_fsdp + RS_fsdp - bwd - recompute(ac))
+
+(TP collectives are exposed; FSDP collectives are prefetched behind the neighbouring layer's
+compute and only the excess shows.) Rank ``r`` with ``n_r`` layers then costs
+``t_r = sum(t_layer) + [r == 0] t_embed + [r == last] t_head + p2p``. With ``M`` microbatches::
+
+    no PP:            T = M * t_0
+    GPipe / 1F1B:     T = (M - 1) * max_r t_r + sum_r t_r
+    interleaved (v):  T = (M - 1) * max_r t_r + sum_r t_r / v + (v - 1)/v * max_r t_r
+
+plus the optimizer step (memory-bound AdamW) and, without FSDP, the exposed gradient all-reduce.
+The bubble is ``T - M * max_r t_r``; for a balanced pipeline it is ``(pp-1)/v`` of a microbatch.
+
+Memory of rank ``r`` (bytes)::
+
+    states  = P_r * (4 master + 4 grad + 8 AdamW) / dp_shard          (mixed precision)
+    working = unsharded bf16 params in flight (2 layers with reshard, all of the stage without)
+    acts    = mb * sum_layers saved(ac) * inflight_r  +  one layer's backward working set
+    inflight_r = 1 (no PP), M (GPipe), min(M, pp - r) (1F1B),
+                 min(M v, (v-1) pp + 2 (pp-1-r) + 1) / v (interleaved, per layer)
+
+plus the embedding/head activations (the fp32 logits of the loss on the last rank) and the
+profile's reserve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from autopar.analysis import BlockProfile, ModelProfile
+from autopar.cost_models.comm import Group, collective_time, group_on_mesh
+from autopar.cost_models.compute import node_times
+from autopar.cost_models.hardware import Hardware
+from autopar.errors import AutoparError
+
+AC_MODES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The mesh-level choice of a plan (per-layer detail lives in ``Assignment``)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    dp_shard: int = 1  # FSDP shard degree (divides dp); dp // dp_shard replicas (HSDP)
+    sp: bool = False
+    fsdp: bool = False
+    reshard: bool = True
+    mb: int = 1
+    schedule: str = "1f1b"
+    v: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
+
+    def key(self) -> tuple:
+        return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
+                int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v)
+
+    def short(self) -> str:
+        s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
+        if self.fsdp and self.dp_shard != self.dp:
+            s += f",dp_shard={self.dp_shard}"
+        if self.fsdp and not self.reshard:
+            s += ",reshard=0"
+        if self.pp > 1:
+            s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
+        return s
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Layers and AC modes per pipeline rank: ``layers[r]`` layers, ``ac[r] = (none, sel, full)``."""
+
+    layers: tuple[int, ...]
+    ac: tuple[tuple[int, int, int], ...]
+
+    def per_layer_ac(self) -> list[str]:
+        out = []
+        for (n0, n1, n2) in self.ac:
+            # Within a rank, checkpoint the earliest layers fully (their activations live longest).
+            out += ["full"] * n2 + ["selective"] * n1 + ["none"] * n0
+        return out
+
+
+@dataclass(frozen=True)
+class CostContext:
+    model: ModelProfile
+    hw: Hardware
+    global_batch: int  # sequences per step
+    precision: str = "bf16"  # bf16 | fp16 | fp32
+    compiled: bool = True
+    async_tp: bool = False
+    fp8: bool = False
+    memory_limit_gb: float | None = None
+
+    @property
+    def limit_bytes(self) -> float:
+        gb = self.memory_limit_gb if self.memory_limit_gb is not None else self.hw.memory_gb
+        return gb * GiB
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def bytes_scale(self) -> float:
+        return self.act_bytes / self.model.dtype_bytes
+
+
+@dataclass(frozen=True)
+class LayerCoeffs:
+    """Per-layer, per-microbatch costs on one rank, one entry per AC mode."""
+
+    time: dict  # ac -> seconds
+    act: dict  # ac -> saved bytes (for mb sequences)
+    static: float  # parameter/gradient/optimizer bytes per layer
+    working_param: float  # unsharded bytes of one layer's parameters (FSDP)
+    parts: dict  # named components for the breakdown (ac -> {name: seconds})
+    backward_ws: float  # one layer's backward working set (bytes)
+
+
+@dataclass
+class Estimate:
+    config: Config
+    assignment: Assignment
+    step_time_s: float
+    breakdown: dict  # seconds per component (sums to step_time_s)
+    memory_bytes: list[float]  # per pipeline rank
+    memory_breakdown: dict  # bytes per component on the peak rank
+    tokens_per_s_per_gpu: float
+    mfu: float
+    collectives: list[dict] = field(default_factory=list)
+
+    @property
+    def peak_memory_gb(self) -> float:
+        return max(self.memory_bytes) / GiB
+
+    def fits(self, limit_bytes: float) -> bool:
+        return max(self.memory_bytes) <= limit_bytes
+
+
+class StageModel:
+    """All the coefficients of one ``Config``; prices ``Assignment``s by arithmetic."""
+
+    def __init__(self, ctx: CostContext, cfg: Config):
+        self.ctx, self.cfg = ctx, cfg
+        m, hw = ctx.model, ctx.hw
+        if m.n_layers < cfg.pp * cfg.v:
+            raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the model's {m.n_layers} layers")
+        local = ctx.global_batch // cfg.dp
+        self.M = local // cfg.mb
+        mesh = [cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.tp]
+        gpn = hw.gpus_per_node
+        self.g_pp = group_on_mesh(mesh, 0, gpn)
+        self.g_rep = group_on_mesh(mesh, 1, gpn)
+        self.g_shard = group_on_mesh(mesh, 2, gpn)
+        self.g_tp = group_on_mesh(mesh, 3, gpn)
+        self.g_dp = Group(cfg.dp, self.g_shard.per_node * (self.g_rep.per_node if self.g_shard.nodes == 1 else 1))
+        self.block = {id(b): self._layer(b) for b in m.blocks}
+        self.layers = m.layer_sequence()
+        self.coeffs = self.block[id(self.layers[0])] if len(m.blocks) == 1 else self._average()
+        self._outer()
+
+    # -- per layer ---------------------------------------------------------------------------
+    def _layer(self, b: BlockProfile) -> LayerCoeffs:
+        ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
+        tp, mb, sp = cfg.tp, cfg.mb, cfg.sp
+        ct = node_times(b.costs, hw, mb=mb, tp=tp, sp=sp, bytes_scale=ctx.bytes_scale,
+                        compiled=ctx.compiled, fp8=ctx.fp8)
+        rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
+        n_rows = sum(1 for l in b.linears if l.role == "row")
+        act_msg = mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes
+        tp_one = 0.0
+        if tp > 1 and n_rows:
+            kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+            tp_one = n_rows * sum(collective_time(hw, k, act_msg, self.g_tp) for k in kinds)
+            if ctx.async_tp:
+                tp_one *= 0.3
+        p_local = b.params_tp / tp + b.params_rep
+        ag = rs = 0.0
+        if cfg.fsdp and cfg.dp_shard > 1:
+            ag = collective_time(hw, "all_gather", p_local * ctx.act_bytes, self.g_shard)
+            rs = collective_time(hw, "reduce_scatter", p_local * 4, self.g_shard)
+            if cfg.dp_replicate > 1:
+                rs += collective_time(hw, "all_reduce", p_local * 4 / cfg.dp_shard, self.g_rep)
+        time, parts, act = {}, {}, {}
+        seq_div = tp if sp else 1
+        for ac in AC_MODES:
+            comm_tp = tp_one * (3 if ac == "full" else 2)
+            fsdp_fwd = max(0.0, ag - ct.fwd)
+            fsdp_bwd = max(0.0, (ag if cfg.reshard else 0.0) + rs - ct.bwd - rec[ac])
+            parts[ac] = {
+                "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
+                "fsdp_comm": fsdp_fwd + fsdp_bwd,
+            }
+            time[ac] = sum(parts[ac].values())
+            s_tp, s_rep = b.saved[ac]
+            act[ac] = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
+        s_tp, s_rep = b.saved["none"]
+        ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
+        return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws)
+
+    def _average(self) -> LayerCoeffs:
+        cs = [self.block[id(b)] for b in self.layers]
+        n = len(cs)
+        avg = lambda get: sum(get(c) for c in cs) / n  # noqa: E731
+        return LayerCoeffs(
+            time={a: avg(lambda c: c.time[a]) for a in AC_MODES},
+            act={a: avg(lambda c: c.act[a]) for a in AC_MODES},
+            static=avg(lambda c: c.static),
+            working_param=max(c.working_param for c in cs),
+            parts={a: {k: avg(lambda c: c.parts[a][k]) for k in cs[0].parts[a]} for a in AC_MODES},
+            backward_ws=max(c.backward_ws for c in cs),
+        )
+
+    def _state_bytes(self, p_local: float) -> float:
+        cfg, ctx = self.cfg, self.ctx
+        if ctx.precision == "fp32":
+            per = 4 + 4 + 8  # param, grad, AdamW exp_avg + exp_avg_sq
+            extra = 0.0
+        else:
+            per = 4 + 4 + 8  # fp32 master param, fp32 grad, AdamW states
+            extra = 0.0 if cfg.fsdp else 2.0  # bf16 copies of the weights without FSDP
+        shard = cfg.dp_shard if cfg.fsdp else 1
+        return p_local * per / shard + p_local * extra
+
+    # -- embedding / head ---------------------------------------------------------------------
+    def _outer(self):
+        ctx, cfg, hw, m = self.ctx, self.cfg, self.ctx.hw, self.ctx.model
+        tp, mb = cfg.tp, cfg.mb
+        act_msg = mb * m.seq_len * m.hidden * ctx.act_bytes
+        tp_ar = collective_time(hw, "all_reduce", act_msg, self.g_tp) if tp > 1 else 0.0
+        self.outer = {}
+        for name, prof in (("pre", m.pre), ("post", m.post)):
+            ct = node_times(prof.costs, hw, mb=mb, tp=tp, sp=cfg.sp, bytes_scale=ctx.bytes_scale,
+                            compiled=ctx.compiled)
+            p_local = prof.params_vocab / tp + prof.params_rep
+            ag = rs = 0.0
+            if cfg.fsdp and cfg.dp_shard > 1:
+                ag = collective_time(hw, "all_gather", p_local * ctx.act_bytes, self.g_shard)
+                rs = collective_time(hw, "reduce_scatter", p_local * 4, self.g_shard)
+            fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
+            saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
+            self.outer[name] = {
+                "time": ct.fwd + ct.bwd + tp_ar * 2 + fsdp,
+                "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_ar * 2, "fsdp_comm": fsdp},
+                "static": self._state_bytes(p_local),
+                "working": p_local * ctx.act_bytes,
+                "act": saved,
+                "flops": ct.flops,
+            }
+        hid = mb * m.seq_len * m.hidden * ctx.act_bytes / (tp if cfg.sp else 1)
+        self.p2p = 0.0
+        if cfg.pp > 1:
+            self.p2p = 2 * collective_time(hw, "send_recv", hid, self.g_pp) * cfg.v
+
+    # -- per rank -----------------------------------------------------------------------------
+    def inflight(self, r: int) -> float:
+        """Microbatches whose activations rank ``r`` holds at its peak (per layer)."""
+        cfg, M = self.cfg, self.M
+        if cfg.pp == 1:
+            return 1.0
+        if cfg.schedule == "gpipe":
+            return float(M)
+        if cfg.schedule == "1f1b" or cfg.v == 1:
+            return float(min(M, cfg.pp - r))
+        chunks = min(M * cfg.v, (cfg.v - 1) * cfg.pp + 2 * (cfg.pp - 1 - r) + 1)
+        return chunks / cfg.v
+
+    def rank_time(self, r: int, ac: tuple[int, int, int]) -> float:
+        c = self.coeffs
+        t = sum(n * c.time[a] for n, a in zip(ac, AC_MODES))
+        if r == 0:
+            t += self.outer["pre"]["time"]
+        if r == self.cfg.pp - 1:
+            t += self.outer["post"]["time"]
+        return t + self.p2p
+
+    def rank_memory(self, r: int, ac: tuple[int, int, int]) -> dict:
+        cfg, c = self.cfg, self.coeffs
+        n = sum(ac)
+        act = self.inflight(r) * sum(k * c.act[a] for k, a in zip(ac, AC_MODES))
+        static = n * c.static
+        working = 0.0
+        if cfg.fsdp and cfg.dp_shard > 1:
+            working = (2 * c.working_param) if cfg.reshard else n * c.working_param
+        post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
+        outer_act = 0.0
+        for name, on in (("pre", r == 0), ("post", r == cfg.pp - 1)):
+            if on:
+                o = self.outer[name]
+                static += o["static"]
+                outer_act += o["act"] * (post_inflight if name == "post" else self.inflight(r))
+                if cfg.fsdp and cfg.dp_shard > 1:
+                    working = max(working, o["working"]) if cfg.reshard else working + o["working"]
+        return {
+            "parameters+grads+optimizer": static,
+            "unsharded_params": working,
+            "activations": act + c.backward_ws + outer_act,
+            "reserve": self.ctx.hw.reserve_gb * GiB,
+        }
+
+    def fixed_memory(self, r: int) -> float:
+        """Memory of rank ``r`` that does not depend on its layers' AC modes, per layer count 0."""
+        return sum(self.rank_memory(r, (0, 0, 0)).values())
+
+    # -- whole step ---------------------------------------------------------------------------
+    def step_time(self, rank_times: list[float]) -> float:
+        cfg, M = self.cfg, self.M
+        if cfg.pp == 1:
+            pipe = M * rank_times[0]
+        else:
+            mx = max(rank_times)
+            pipe = (M - 1) * mx + sum(rank_times) / cfg.v + (cfg.v - 1) / cfg.v * mx
+        return pipe + self.optimizer_time() + self.dp_exposed()
+
+    def optimizer_time(self) -> float:
+        c = self.coeffs
+        ranks = [self.rank_params(r) for r in range(self.cfg.pp)] if self.cfg.pp > 1 else [self.rank_params(0)]
+        p = max(ranks)
+        shard = self.cfg.dp_shard if self.cfg.fsdp else 1
+        # AdamW reads param, grad, two states and writes param and two states: 28 bytes (fp32).
+        del c
+        return p / shard * 28 / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
+
+    def rank_params(self, r: int) -> float:
+        """Local parameter elements of rank ``r`` under a balanced split."""
+        m, cfg = self.ctx.model, self.cfg
+        n = self.balanced_layers()[r]
+        p = n * (m.blocks[0].params_tp / cfg.tp + m.blocks[0].params_rep) if m.blocks else 0
+        if r == 0:
+            p += m.pre.params_vocab / cfg.tp + m.pre.params_rep
+        if r == cfg.pp - 1:
+            p += m.post.params_vocab / cfg.tp + m.post.params_rep
+        return p
+
+    def balanced_layers(self) -> list[int]:
+        L, pp = self.ctx.model.n_layers, self.cfg.pp
+        return [L // pp + (1 if r < L % pp else 0) for r in range(pp)]
+
+    def dp_exposed(self) -> float:
+        cfg, hw = self.cfg, self.ctx.hw
+        if cfg.dp == 1 or cfg.fsdp:
+            return 0.0
+        p = max(self.rank_params(r) for r in range(cfg.pp))
+        ar = collective_time(hw, "all_reduce", p * 4, self.g_dp)
+        window = self.coeffs.parts["none"]["compute"] * 2 / 3 * max(1, self.balanced_layers()[0])
+        return max(0.0, ar - window) + collective_time(hw, "all_reduce", min(p * 4, 25e6), self.g_dp)
+
+    def evaluate(self, a: Assignment) -> Estimate:
+        cfg, ctx, m = self.cfg, self.ctx, self.ctx.model
+        times = [self.rank_time(r, a.ac[r]) for r in range(cfg.pp)]
+        T = self.step_time(times)
+        mems = [self.rank_memory(r, a.ac[r]) for r in range(cfg.pp)]
+        totals = [sum(x.values()) for x in mems]
+        peak_r = max(range(cfg.pp), key=lambda r: totals[r])
+        # Breakdown from the bottleneck rank, scaled by the microbatch count.
+        b = max(range(cfg.pp), key=lambda r: times[r])
+        parts = {"compute": 0.0, "recompute": 0.0, "tp_comm": 0.0, "fsdp_comm": 0.0}
+        for n, ac in zip(a.ac[b], AC_MODES):
+            for k, v in self.coeffs.parts[ac].items():
+                parts[k] += n * v
+        for name, on in (("pre", b == 0), ("post", b == cfg.pp - 1)):
+            if on:
+                for k, v in self.outer[name]["parts"].items():
+                    parts[k] += v
+        breakdown = {k: v * self.M for k, v in parts.items()}
+        breakdown["pp_p2p"] = self.p2p * self.M
+        breakdown["bubble"] = T - self.optimizer_time() - self.dp_exposed() - times[b] * self.M
+        breakdown["optimizer"] = self.optimizer_time()
+        breakdown["dp_comm"] = self.dp_exposed()
+        tokens = ctx.global_batch * m.seq_len
+        tps = tokens / T / cfg.world
+        mfu = m.model_flops_per_token() * tokens / (T * cfg.world * ctx.hw.peak_tflops * 1e12)
+        return Estimate(
+            config=cfg, assignment=a, step_time_s=T, breakdown=breakdown, memory_bytes=totals,
+            memory_breakdown=mems[peak_r], tokens_per_s_per_gpu=tps, mfu=mfu,
+            collectives=self.collectives(a),
+        )
+
+    def collectives(self, a: Assignment) -> list[dict]:
+        """The collectives one step issues on the busiest rank: kind, group, bytes, count."""
+        cfg, ctx, m, M = self.cfg, self.ctx, self.ctx.model, self.M
+        out = []
+        n = max(a.layers)
+        n_full = max(x[2] for x in a.ac)
+        act_msg = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes
+        n_rows = sum(1 for l in m.blocks[0].linears if l.role == "row") if m.blocks else 0
+        if cfg.tp > 1 and n_rows:
+            per = n_rows * (2 * n + n_full) * M
+            kinds = ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",)
+            for k in kinds:
+                out.append({"kind": k, "group": "tp", "group_size": cfg.tp, "bytes": act_msg,
+                            "count": per, "why": "tensor-parallel block boundaries"})
+            out.append({"kind": "all_reduce", "group": "tp", "group_size": cfg.tp, "bytes": act_msg,
+                        "count": 2 * M, "why": "vocab-parallel embedding and head"})
+        if cfg.fsdp and cfg.dp_shard > 1:
+            p = self.coeffs.working_param
+            ag_count = n * M * (2 if cfg.reshard else 1)
+            out.append({"kind": "all_gather", "group": "dp_shard", "group_size": cfg.dp_shard,
+                        "bytes": p, "count": ag_count, "why": "FSDP parameter unshard per layer"})
+            out.append({"kind": "reduce_scatter", "group": "dp_shard", "group_size": cfg.dp_shard,
+                        "bytes": p / ctx.act_bytes * 4, "count": n * M, "why": "FSDP gradient reduce per layer"})
+            if cfg.dp_replicate > 1:
+                out.append({"kind": "all_reduce", "group": "dp_replicate", "group_size": cfg.dp_replicate,
+                            "bytes": p / ctx.act_bytes * 4 / cfg.dp_shard, "count": n * M,
+                            "why": "HSDP gradient all-reduce across replicas"})
+        elif cfg.dp > 1:
+            p = max(self.rank_params(r) for r in range(cfg.pp))
+            out.append({"kind": "all_reduce", "group": "dp", "group_size": cfg.dp, "bytes": p * 4,
+                        "count": 1, "why": "data-parallel gradient all-reduce (bucketed)"})
+        if cfg.pp > 1:
+            hid = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes / (cfg.tp if cfg.sp else 1)
+            out.append({"kind": "send_recv", "group": "pp", "group_size": cfg.pp, "bytes": hid,
+                        "count": 2 * M * cfg.v, "why": "pipeline activations and gradients"})
+        return out
+
+
+def uniform_assignment(sm: StageModel, ac: str) -> Assignment:
+    layers = sm.balanced_layers()
+    idx = AC_MODES.index(ac)
+    return Assignment(tuple(layers), tuple(tuple(n if i == idx else 0 for i in range(3)) for n in layers))
+
+
+def estimate(ctx: CostContext, cfg: Config, assignment: Assignment | None = None, ac: str = "none") -> Estimate:
+    """Price one configuration (a hand-written plan): uniform layers and one AC mode by default."""
+    validate_config(ctx, cfg)
+    sm = StageModel(ctx, cfg)
+    return sm.evaluate(assignment or uniform_assignment(sm, ac))
+
+
+def validate_config(ctx: CostContext, cfg: Config) -> None:
+    m = ctx.model
+    if cfg.dp_shard < 1 or cfg.dp % cfg.dp_shard:
+        raise AutoparError(f"dp_shard ({cfg.dp_shard}) must divide dp ({cfg.dp})")
+    bad = m.max_tp_check(cfg.tp) if cfg.tp > 1 else []
+    if bad:
+        raise AutoparError(
+            f"tp={cfg.tp} does not divide {', '.join(bad)} of {m.name}; choose a tp that divides "
+            f"them (valid: {', '.join(str(t) for t in valid_tp_degrees(m))})"
+        )
+    if ctx.global_batch % cfg.dp:
+        raise AutoparError(f"global batch {ctx.global_batch} is not divisible by dp={cfg.dp}")
+    local = ctx.global_batch // cfg.dp
+    if local % cfg.mb:
+        raise AutoparError(f"local batch {local} (global {ctx.global_batch} / dp {cfg.dp}) is not divisible by mb={cfg.mb}")
+    M = local // cfg.mb
+    if cfg.pp > 1 and M < cfg.pp:
+        raise AutoparError(f"{M} microbatches cannot fill {cfg.pp} pipeline stages; use a smaller mb or pp")
+    if cfg.schedule == "interleaved" and cfg.pp > 1 and (cfg.v < 2 or M % cfg.pp):
+        raise AutoparError(f"interleaved 1F1B needs v >= 2 and microbatches ({M}) divisible by pp ({cfg.pp})")
+    if cfg.pp * cfg.v > m.n_layers:
+        raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the {m.n_layers} layers of {m.name}")
+    if cfg.sp and cfg.tp == 1:
+        raise AutoparError("sequence parallelism needs tp > 1")
+
+
+def valid_tp_degrees(m: ModelProfile, limit: int = 512) -> list[int]:
+    """TP degrees (up to ``limit``) that divide every head count and sharded dimension."""
+    return [t for t in range(1, limit + 1) if not m.max_tp_check(t)]
+
+
+def replace(cfg: Config, **kw) -> Config:
+    return dataclasses.replace(cfg, **kw)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -1,0 +1,331 @@
+"""Reference models and model sources.
+
+Two reference families, written as ordinary single-device ``nn.Module``s with no parallelism in
+them (autopar adds it):
+
+- ``Llama``: RMSNorm, rotary embeddings (real-valued cos/sin), grouped-query attention through
+  ``scaled_dot_product_attention``, SwiGLU MLP. Presets match Llama 3.1 8B/70B/405B.
+- ``GPT``: LayerNorm, learned positions, multi-head attention written out (QK^T, softmax, dropout,
+  AV) as in Megatron-LM, GELU MLP of 4h. Presets follow Table 1 of Narayanan et al. 2021
+  ("Efficient Large-Scale Language Model Training on GPU Clusters"), 1.7B ... 1T.
+
+A *model source* is what the CLI and ``autopar.plan`` accept by name: a preset (``llama3-8b``), a
+HuggingFace ``config.json`` (Llama, Qwen2, Mistral, GPT-2 families, through ``transformers``) or a
+``package.module:factory`` that returns any ``nn.Module``. ``ModelSource.build()`` constructs the
+model; callers decide whether that happens on fake tensors (planning) or real ones (training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.errors import AutoparError
+
+
+# --------------------------------------------------------------------------------------------
+# Llama
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    ffn_dim: int = 14336
+    vocab_size: int = 128256
+    max_seq_len: int = 8192
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+
+def _rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, seq, heads, head_dim); rotate pairs (even, odd) as in Llama.
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts are inferred (-1) so that a column-sharded projection works unchanged.
+        q = _apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)
+        k = _apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = LlamaAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = _rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+# --------------------------------------------------------------------------------------------
+# GPT (Megatron-style)
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GPTConfig:
+    dim: int = 2304
+    n_layers: int = 24
+    n_heads: int = 24
+    vocab_size: int = 51200
+    max_seq_len: int = 2048
+    dropout: float = 0.0
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.q_proj = nn.Linear(cfg.dim, cfg.dim)
+        self.k_proj = nn.Linear(cfg.dim, cfg.dim)
+        self.v_proj = nn.Linear(cfg.dim, cfg.dim)
+        self.out_proj = nn.Linear(cfg.dim, cfg.dim)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        probs = F.dropout(probs, self.dropout, self.training)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, -1)
+        return F.dropout(self.out_proj(out), self.dropout, self.training)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim)
+        self.attn = GPTAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.dim)
+        self.fc_in = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.fc_out = nn.Linear(4 * cfg.dim, cfg.dim)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        y = self.fc_out(F.gelu(self.fc_in(self.ln_2(x))))
+        return x + F.dropout(y, self.dropout, self.training)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.wte(tokens) + self.wpe(pos)[None]
+        for blk in self.blocks:
+            h = blk(h)
+        return self.lm_head(self.ln_f(h))
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+def _llama(dim, layers, heads, kv, ffn, vocab=128256, seq=8192, theta=500000.0):
+    return LlamaConfig(dim, layers, heads, kv, ffn, vocab, seq, theta)
+
+
+# GPT family of Narayanan et al. 2021, Table 1: (hidden, heads, layers); vocab 51200, seq 2048.
+_GPT_TABLE = {
+    "gpt-1.7b": (2304, 24, 24),
+    "gpt-3.6b": (3072, 32, 30),
+    "gpt-7.5b": (4096, 32, 36),
+    "gpt-18b": (6144, 48, 40),
+    "gpt-39b": (8192, 64, 48),
+    "gpt-76b": (10240, 80, 60),
+    "gpt-145b": (12288, 96, 80),
+    "gpt-175b": (12288, 96, 96),
+    "gpt-310b": (16384, 128, 96),
+    "gpt-530b": (20480, 128, 105),
+    "gpt-1t": (25600, 160, 128),
+}
+
+PRESETS: dict[str, Any] = {
+    "llama3-8b": _llama(4096, 32, 32, 8, 14336),
+    "llama3-70b": _llama(8192, 80, 64, 8, 28672),
+    "llama3-405b": _llama(16384, 126, 128, 8, 53248),
+    "llama2-7b": _llama(4096, 32, 32, 32, 11008, vocab=32000, seq=4096, theta=10000.0),
+    "llama2-13b": _llama(5120, 40, 40, 40, 13824, vocab=32000, seq=4096, theta=10000.0),
+    "llama2-70b": _llama(8192, 80, 64, 8, 28672, vocab=32000, seq=4096, theta=10000.0),
+    # Small shapes for tests and CPU demos.
+    "llama-tiny": _llama(64, 4, 4, 2, 160, vocab=256, seq=64, theta=10000.0),
+    "llama-small": _llama(256, 8, 8, 4, 688, vocab=1024, seq=256, theta=10000.0),
+    "gpt-tiny": GPTConfig(64, 4, 4, 256, 64),
+    **{k: GPTConfig(h, n, a, 51200, 2048) for k, (h, a, n) in _GPT_TABLE.items()},
+}
+
+
+def build_preset(name: str) -> nn.Module:
+    cfg = PRESETS[name]
+    return Llama(cfg) if isinstance(cfg, LlamaConfig) else GPT(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Model sources
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSource:
+    """Something that builds a model: a name for reports plus a zero-argument constructor.
+
+    ``seq_len`` and ``vocab_size`` are the model's natural defaults (None when unknown);
+    ``hf`` is True for HuggingFace models, whose forward returns an output object.
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    seq_len: int | None = None
+    vocab_size: int | None = None
+    hf: bool = False
+    spec: dict = dataclasses.field(default_factory=dict)
+
+
+def _hf_source(path: str) -> ModelSource:
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise AutoparError(f"reading {path} needs the 'transformers' package: {e}") from e
+    with open(path) as f:
+        raw = json.load(f)
+    try:
+        cfg = transformers.AutoConfig.for_model(**raw)
+    except (ValueError, KeyError) as e:
+        raise AutoparError(
+            f"{path} is not a HuggingFace config that transformers {transformers.__version__} "
+            f"knows ({e}); supported families include llama, qwen2, mistral and gpt2"
+        ) from e
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+
+    def build() -> nn.Module:
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+    seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or cfg.model_type
+    return ModelSource(
+        name=f"hf:{cfg.model_type}:{name}",
+        build=build,
+        seq_len=seq,
+        vocab_size=cfg.vocab_size,
+        hf=True,
+        spec={"kind": "hf", "config": raw},
+    )
+
+
+def hf_source_from_config(config: Any) -> ModelSource:
+    """A source for a ``transformers`` config object (used by tests and the Python API)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config.to_dict(), f)
+    return _hf_source(f.name)
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a CLI model argument into a ModelSource, with an error that lists what is known."""
+    if spec in PRESETS:
+        cfg = PRESETS[spec]
+        return ModelSource(
+            name=spec,
+            build=lambda: build_preset(spec),
+            seq_len=cfg.max_seq_len,
+            vocab_size=cfg.vocab_size,
+            spec={"kind": "preset", "name": spec},
+        )
+    if spec.endswith(".json") or os.path.isdir(spec):
+        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+        if not os.path.exists(path):
+            raise AutoparError(f"no HuggingFace config at {path}")
+        return _hf_source(path)
+    if ":" in spec:
+        mod_name, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise AutoparError(f"cannot load factory {spec!r}: {e}") from e
+        return ModelSource(name=spec, build=factory, spec={"kind": "factory", "name": spec})
+    raise AutoparError(
+        f"unknown model {spec!r}. Known presets: {', '.join(sorted(PRESETS))}; or give a "
+        "HuggingFace config.json path, or a 'package.module:factory' that returns an nn.Module"
+    )
