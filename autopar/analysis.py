@@ -133,6 +133,7 @@ class ModelProfile:
     block_container: str
     n_params: int
     tied: list[tuple[str, str]] = field(default_factory=list)
+    _layer_seq: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_layers(self) -> int:
@@ -140,8 +141,10 @@ class ModelProfile:
 
     def layer_sequence(self) -> list[BlockProfile]:
         """Block profiles in model order (one entry per layer)."""
-        order = sorted((fqn_index(f), b) for b in self.blocks for f in b.fqns)
-        return [b for _, b in order]
+        if self._layer_seq is None:
+            order = sorted(((fqn_index(f), i) for i, b in enumerate(self.blocks) for f in b.fqns))
+            self._layer_seq = [self.blocks[i] for _, i in order]
+        return self._layer_seq
 
     def tp_divisors(self) -> dict[str, int]:
         out: dict[str, int] = {}

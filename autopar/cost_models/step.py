@@ -162,8 +162,9 @@ class Estimate:
 class StageModel:
     """All the coefficients of one ``Config``; prices ``Assignment``s by arithmetic."""
 
-    def __init__(self, ctx: CostContext, cfg: Config):
+    def __init__(self, ctx: CostContext, cfg: Config, cache: dict | None = None):
         self.ctx, self.cfg = ctx, cfg
+        self._cache = cache if cache is not None else {}
         m, hw = ctx.model, ctx.hw
         if m.n_layers < cfg.pp * cfg.v:
             raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the model's {m.n_layers} layers")
@@ -185,8 +186,7 @@ class StageModel:
     def _layer(self, b: BlockProfile) -> LayerCoeffs:
         ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
         tp, mb, sp = cfg.tp, cfg.mb, cfg.sp
-        ct = node_times(b.costs, hw, mb=mb, tp=tp, sp=sp, bytes_scale=ctx.bytes_scale,
-                        compiled=ctx.compiled, fp8=ctx.fp8)
+        ct = self._times(b.costs, mb, tp, sp, ctx.fp8)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         n_rows = sum(1 for l in b.linears if l.role == "row")
         act_msg = mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes
@@ -220,6 +220,14 @@ class StageModel:
         ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
         return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws)
 
+    def _times(self, costs, mb: int, tp: int, sp: bool, fp8: bool):
+        key = (id(costs), mb, tp, sp, fp8)
+        if key not in self._cache:
+            ctx = self.ctx
+            self._cache[key] = node_times(costs, ctx.hw, mb=mb, tp=tp, sp=sp, bytes_scale=ctx.bytes_scale,
+                                          compiled=ctx.compiled, fp8=fp8)
+        return self._cache[key]
+
     def _average(self) -> LayerCoeffs:
         cs = [self.block[id(b)] for b in self.layers]
         n = len(cs)
@@ -252,8 +260,7 @@ class StageModel:
         tp_ar = collective_time(hw, "all_reduce", act_msg, self.g_tp) if tp > 1 else 0.0
         self.outer = {}
         for name, prof in (("pre", m.pre), ("post", m.post)):
-            ct = node_times(prof.costs, hw, mb=mb, tp=tp, sp=cfg.sp, bytes_scale=ctx.bytes_scale,
-                            compiled=ctx.compiled)
+            ct = self._times(prof.costs, mb, tp, cfg.sp, False)
             p_local = prof.params_vocab / tp + prof.params_rep
             ag = rs = 0.0
             if cfg.fsdp and cfg.dp_shard > 1:

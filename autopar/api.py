@@ -1,0 +1,211 @@
+"""The public entry points. This is the only module that knows the whole order of the flow:
+
+    capture (fake-tensor trace) -> analysis (profile) -> cost model -> search -> Plan
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from autopar import analysis, capture, models, search as search_mod
+from autopar.cost_models.hardware import Hardware, load as load_hardware
+from autopar.cost_models.step import AC_MODES, Config, CostContext, Estimate, StageModel, uniform_assignment, validate_config
+from autopar.errors import AutoparError
+from autopar.plan import LayerPlan, Plan, ShardRule
+
+log = logging.getLogger(__name__)
+DEFAULT_TOKENS_PER_STEP = 1 << 22  # 4M tokens, when the user gives no global batch
+
+
+@dataclass
+class Profiled:
+    """A traced and analysed model, reusable across plans."""
+
+    profile: analysis.ModelProfile
+    source_name: str
+    seconds: float
+
+
+def profile_model(
+    model: Any, *, seq_len: int | None = None, example_inputs: tuple | None = None,
+    precision: str = "bf16", loss_fn: Callable | None = None,
+) -> Profiled:
+    """Trace and analyse ``model``: an ``nn.Module``, a preset name, a model source or a factory."""
+    t0 = time.perf_counter()
+    if isinstance(model, str):
+        model = models.resolve(model)
+    vocab = None
+    name = type(model).__name__
+    if isinstance(model, models.ModelSource):
+        seq_len = seq_len or model.seq_len
+        vocab = model.vocab_size
+        name = model.name
+        build: Any = model.build
+    elif isinstance(model, nn.Module):
+        build = model
+        cfg = getattr(model, "config", None)
+        vocab = getattr(cfg, "vocab_size", None)
+    elif callable(model):
+        build = model
+    else:
+        raise AutoparError(f"cannot plan a {type(model).__name__}: give an nn.Module, a preset name or a factory")
+    batch = 1
+    if example_inputs is not None:
+        first = example_inputs[0]
+        if not isinstance(first, torch.Tensor) or first.dim() < 2:
+            raise AutoparError("example_inputs[0] must be a (batch, seq) tensor of token ids")
+        batch, seq_len = int(first.shape[0]), int(first.shape[1])
+    if not seq_len:
+        raise AutoparError(f"the sequence length of {name} is unknown: pass seq_len (--seq-len)")
+    dtype = torch.float32 if precision == "fp32" else (torch.float16 if precision == "fp16" else torch.bfloat16)
+    if isinstance(build, nn.Module):
+        dtype = next(build.parameters()).dtype
+    tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
+                             loss_fn=loss_fn, name=name, example_inputs=example_inputs)
+    prof = analysis.analyze(tr)
+    if not prof.blocks:
+        raise AutoparError(
+            f"{name} has no repeated blocks (no nn.ModuleList/Sequential of identical layers); autopar "
+            "plans models built from a stack of layers"
+        )
+    return Profiled(prof, name, time.perf_counter() - t0)
+
+
+def make_context(
+    prof: analysis.ModelProfile, *, hardware: str | dict | Hardware = "h100", global_batch: int | None = None,
+    precision: str = "bf16", memory_limit_gb: float | None = None, compiled: bool = True,
+    async_tp: bool = False, fp8: bool = False,
+) -> CostContext:
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise AutoparError(f"precision {precision!r}: choose bf16, fp16 or fp32")
+    if global_batch is None:
+        global_batch = max(1, DEFAULT_TOKENS_PER_STEP // prof.seq_len)
+    if global_batch < 1:
+        raise AutoparError(f"global batch must be at least 1 sequence, got {global_batch}")
+    hw = load_hardware(hardware)
+    if memory_limit_gb is not None and memory_limit_gb <= 0:
+        raise AutoparError(f"memory limit must be positive, got {memory_limit_gb} GB")
+    return CostContext(prof, hw, int(global_batch), precision, compiled, async_tp, fp8, memory_limit_gb)
+
+
+def _world(world_size_or_mesh: Any) -> int:
+    if isinstance(world_size_or_mesh, int):
+        if world_size_or_mesh < 1:
+            raise AutoparError(f"the GPU count must be positive, got {world_size_or_mesh}")
+        return world_size_or_mesh
+    if hasattr(world_size_or_mesh, "size"):
+        return int(world_size_or_mesh.size())
+    raise AutoparError(f"expected a GPU count or a DeviceMesh, got {type(world_size_or_mesh).__name__}")
+
+
+def plan(
+    model: Any, world_size_or_mesh: Any, *, example_inputs: tuple | None = None,
+    hardware: str | dict | Hardware = "h100", global_batch: int | None = None, pin: str | dict | None = None,
+    memory_limit_gb: float | None = None, precision: str = "bf16", seq_len: int | None = None,
+    top_k: int = 3, loss_fn: Callable | None = None, progress: Callable | None = None,
+    profiled: Profiled | None = None,
+) -> Plan:
+    """Plan ``model`` for a mesh: the fastest TP/SP/PP/FSDP/AC layout that fits in memory."""
+    world = _world(world_size_or_mesh)
+    prof = profiled or profile_model(model, seq_len=seq_len, example_inputs=example_inputs,
+                                     precision=precision, loss_fn=loss_fn)
+    ctx = make_context(prof.profile, hardware=hardware, global_batch=global_batch, precision=precision,
+                       memory_limit_gb=memory_limit_gb)
+    pins = search_mod.parse_pins(pin)
+    res = search_mod.search(ctx, world, pins=pins, top_k=top_k, progress=progress)
+    log.info("planned %s on %d GPUs: capture+analysis %.2fs, search %.2fs (%d configs, %d MILPs)",
+             prof.source_name, world, prof.seconds, res.seconds, res.n_configs, res.n_milp)
+    p = to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up)
+    return p
+
+
+def estimate_plan(
+    model: Any, world: int, config: str | dict, *, hardware="h100", global_batch=None, precision="bf16",
+    memory_limit_gb=None, seq_len=None, profiled: Profiled | None = None,
+) -> tuple[Plan, Estimate, CostContext]:
+    """Price a configuration the user gives (``tp=8,pp=8,dp=1,...``) with the planner's model."""
+    prof = profiled or profile_model(model, seq_len=seq_len, precision=precision)
+    ctx = make_context(prof.profile, hardware=hardware, global_batch=global_batch, precision=precision,
+                       memory_limit_gb=memory_limit_gb)
+    kv = search_mod.parse_pins(config)
+    tp, pp = kv.get("tp", 1), kv.get("pp", 1)
+    dp = kv.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0)
+    if tp * pp * dp != world:
+        raise AutoparError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but there are {world} GPUs; make the product equal {world}")
+    fsdp = kv.get("fsdp", False)
+    cfg = Config(
+        tp=tp, pp=pp, dp=dp, dp_shard=kv.get("dp_shard", dp) if fsdp else 1, sp=kv.get("sp", False),
+        fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
+        schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") == "interleaved" else 1),
+    )
+    validate_config(ctx, cfg)
+    sm = StageModel(ctx, cfg)
+    est = sm.evaluate(uniform_assignment(sm, kv.get("ac", "none")))
+    return to_plan(ctx, est, world, pins=kv), est, ctx
+
+
+def why_lost(winner: Estimate, other: Estimate) -> str:
+    """The components on which ``other`` pays most over ``winner``."""
+    deltas = {k: other.breakdown.get(k, 0.0) - winner.breakdown.get(k, 0.0) for k in winner.breakdown}
+    worst = sorted(((v, k) for k, v in deltas.items() if v > 0), reverse=True)[:2]
+    pct = (other.step_time_s / winner.step_time_s - 1) * 100
+    parts = ", ".join(f"{k.replace('_', ' ')} +{v * 1e3:.0f} ms" for v, k in worst)
+    return f"{pct:+.1f}% step time" + (f" ({parts})" if parts else "")
+
+
+def _summary(ctx: CostContext, e: Estimate) -> dict:
+    return {
+        "step_time_s": e.step_time_s,
+        "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
+        "mfu": e.mfu,
+        "memory_gb_per_gpu": e.peak_memory_gb,
+        "memory_gb_per_stage": [m / (1 << 30) for m in e.memory_bytes],
+        "breakdown": e.breakdown,
+        "memory_breakdown_gb": {k: v / (1 << 30) for k, v in e.memory_breakdown.items()},
+        "memory_limit_gb": ctx.limit_bytes / (1 << 30),
+        "fits": e.fits(ctx.limit_bytes),
+        "model_flops_per_token": ctx.model.model_flops_per_token(),
+    }
+
+
+def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up=()) -> Plan:
+    m, cfg, a = ctx.model, e.config, e.assignment
+    seq = m.layer_sequence()
+    fqns = [f for _, f in sorted((analysis.fqn_index(f), f) for b in m.blocks for f in b.fqns)]
+    acs = a.per_layer_ac()
+    layers, i = [], 0
+    for r, n in enumerate(a.layers):
+        for j in range(n):
+            chunk = min(cfg.v - 1, j * cfg.v // max(1, n))
+            layers.append(LayerPlan(fqns[i], r, chunk, acs[i]))
+            i += 1
+    del seq
+    rules = []
+    for b in m.blocks:
+        for l in b.linears:
+            style = {"column": "colwise", "row": "rowwise"}.get(l.role, "replicate")
+            rules.append(ShardRule(b.cls_name, l.weight, style if cfg.tp > 1 else "replicate"))
+    runners = tuple(
+        {"config": r.config.short(), "ac": _ac_text(r), **_summary(ctx, r), "why_lost": why_lost(e, r)}
+        for r in runners_up
+    )
+    return Plan(
+        model_name=m.name, model_fingerprint=m.fingerprint, world_size=world, hardware=ctx.hw.name,
+        precision=ctx.precision, global_batch=ctx.global_batch, seq_len=m.seq_len, tp=cfg.tp,
+        pp=cfg.pp, dp=cfg.dp, dp_shard=cfg.dp_shard if cfg.fsdp else 1, sp=cfg.sp, fsdp=cfg.fsdp,
+        reshard_after_forward=cfg.reshard, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
+        schedule=cfg.schedule if cfg.pp > 1 else "none", v=cfg.v, layers=tuple(layers),
+        shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
+        runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,
+    )
+
+
+def _ac_text(e: Estimate) -> str:
+    acs = e.assignment.per_layer_ac()
+    return ",".join(f"{k}:{acs.count(k)}" for k in AC_MODES if k in acs)

@@ -1,0 +1,141 @@
+"""Render a Plan for people (rich tables) and for programs (one JSON object).
+
+Everything shown comes from the Plan itself, so a saved plan explains itself without a search.
+"""
+
+from __future__ import annotations
+
+import io
+from itertools import groupby
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.plan import MESH_DIMS, Plan
+
+BREAKDOWN_LABELS = {
+    "compute": "compute (fwd + bwd)",
+    "recompute": "recompute (activation checkpointing)",
+    "tp_comm": "exposed TP/SP collectives",
+    "fsdp_comm": "exposed FSDP all-gather / reduce-scatter",
+    "dp_comm": "exposed DP gradient all-reduce",
+    "pp_p2p": "pipeline send/recv",
+    "bubble": "pipeline bubble",
+    "optimizer": "optimizer step",
+}
+
+
+def plan_json(p: Plan) -> dict:
+    """The CLI's --json object: ``plan`` with the estimate keys, and the predictions beside it."""
+    pr = p.predicted
+    return {
+        "plan": {
+            "tp": p.tp, "pp": p.pp, "dp": p.dp, "sp": int(p.sp), "fsdp": int(p.fsdp), "mb": p.mb,
+            "ac": p.ac_summary(), "schedule": p.schedule, "v": p.v, "dp_shard": p.dp_shard,
+            "dp_replicate": p.dp // p.dp_shard, "reshard_after_forward": p.reshard_after_forward,
+            "n_microbatches": p.n_microbatches, "mesh_shape": list(p.mesh_shape),
+            "mesh_dim_names": list(MESH_DIMS),
+            "layers": [{"fqn": l.fqn, "stage": l.stage, "chunk": l.chunk, "ac": l.ac} for l in p.layers],
+        },
+        "model": p.model_name, "gpus": p.world_size, "hardware": p.hardware, "global_batch": p.global_batch,
+        "seq_len": p.seq_len, "precision": p.precision,
+        "step_time_s": pr["step_time_s"], "tokens_per_s_per_gpu": pr["tokens_per_s_per_gpu"],
+        "mfu": pr["mfu"], "memory_gb_per_gpu": pr["memory_gb_per_gpu"], "fits": pr["fits"],
+        "breakdown": pr["breakdown"], "memory_breakdown_gb": pr["memory_breakdown_gb"],
+        "collectives": list(p.collectives), "runners_up": list(p.runners_up),
+    }
+
+
+def _layer_rows(p: Plan):
+    """Consecutive layers with the same stage, chunk and AC mode, collapsed into one row."""
+    for (stage, chunk, ac), grp in groupby(p.layers, key=lambda l: (l.stage, l.chunk, l.ac)):
+        g = list(grp)
+        name = g[0].fqn if len(g) == 1 else f"{g[0].fqn} .. {g[-1].fqn.rsplit('.', 1)[-1]}"
+        yield name, len(g), stage, chunk, ac
+
+
+def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    pr = p.predicted
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, p.mesh_shape))
+    con.print(f"[b]autopar plan[/b] for {p.model_name} on {p.world_size} x {p.hardware} "
+              f"({p.precision}, global batch {p.global_batch} x {p.seq_len} tokens)")
+    con.print(f"mesh: {mesh}")
+    extras = []
+    if p.tp > 1:
+        extras.append(f"TP {p.tp}" + (" + SP" if p.sp else ""))
+    if p.pp > 1:
+        extras.append(f"PP {p.pp} ({p.schedule}" + (f", v={p.v}" if p.v > 1 else "") + f", {p.n_microbatches} microbatches of {p.mb})")
+    else:
+        extras.append(f"microbatch {p.mb} x {p.n_microbatches} accumulation steps")
+    if p.fsdp:
+        hs = f"HSDP {p.dp // p.dp_shard} x {p.dp_shard}" if p.dp_shard != p.dp else f"FSDP {p.dp}"
+        extras.append(hs + (", reshard after forward" if p.reshard_after_forward else ", no reshard after forward"))
+    elif p.dp > 1:
+        extras.append(f"DDP {p.dp}")
+    extras.append(f"AC {p.ac_summary()}")
+    con.print("plan: " + "; ".join(extras))
+    if p.pins:
+        con.print(f"pinned: {', '.join(f'{k}={v}' for k, v in p.pins.items())}")
+    con.print(f"predicted: {pr['step_time_s']:.3f} s/step, {pr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+              f"MFU {pr['mfu'] * 100:.1f}%, {pr['memory_gb_per_gpu']:.1f} GiB/GPU of {pr['memory_limit_gb']:.1f}")
+
+    t = Table(title="layers", show_lines=False)
+    for c in ("layers", "count", "pp rank", "chunk", "AC"):
+        t.add_column(c)
+    for name, n, stage, chunk, ac in _layer_rows(p):
+        t.add_row(name, str(n), str(stage), str(chunk), ac)
+    con.print(t)
+
+    t = Table(title="tensor-parallel sharding (per block class)")
+    for c in ("scope", "parameter", "style"):
+        t.add_column(c)
+    for r in p.shard_rules:
+        t.add_row(r.scope, r.param, r.style)
+    con.print(t)
+
+    t = Table(title="step time breakdown")
+    t.add_column("component")
+    t.add_column("seconds", justify="right")
+    t.add_column("share", justify="right")
+    total = pr["step_time_s"]
+    for k, v in pr["breakdown"].items():
+        if abs(v) < 1e-9:
+            continue
+        t.add_row(BREAKDOWN_LABELS.get(k, k), f"{v:.4f}", f"{v / total * 100:.1f}%")
+    t.add_row("total", f"{total:.4f}", "100%")
+    con.print(t)
+
+    t = Table(title="memory per GPU (peak pipeline rank)")
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    for k, v in pr["memory_breakdown_gb"].items():
+        t.add_row(k, f"{v:.2f}")
+    t.add_row("total", f"{pr['memory_gb_per_gpu']:.2f}")
+    con.print(t)
+
+    t = Table(title="collectives inserted (busiest rank, per step)")
+    for c in ("kind", "group", "size", "bytes each", "count", "why"):
+        t.add_column(c)
+    for c in p.collectives:
+        t.add_row(c["kind"], c["group"], str(c["group_size"]), _bytes(c["bytes"]), f"{c['count']:,}", c["why"])
+    con.print(t)
+
+    runners = p.runners_up[:top] if top is not None else p.runners_up
+    if runners:
+        t = Table(title="runners-up (best plan of each other shape)")
+        for c in ("plan", "AC", "s/step", "MFU", "GiB/GPU", "why it lost"):
+            t.add_column(c)
+        for r in runners:
+            t.add_row(r["config"], r["ac"], f"{r['step_time_s']:.3f}", f"{r['mfu'] * 100:.1f}%",
+                      f"{r['memory_gb_per_gpu']:.1f}", r["why_lost"])
+        con.print(t)
+    return buf.getvalue()
+
+
+def _bytes(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"

@@ -1,0 +1,173 @@
+"""The Plan: the one hand-off between deciding (search) and applying (passes, runtime).
+
+Frozen dataclasses, saved as versioned JSON. Loading checks the format version, and
+``Plan.check(model_fingerprint, world_size)`` refuses a plan made for another model or mesh.
+The predicted breakdown is stored in the plan, so ``explain`` renders a saved plan without
+re-running the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from autopar.errors import AutoparError, PlanMismatchError
+
+PLAN_VERSION = 1
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    fqn: str
+    stage: int  # pipeline rank
+    chunk: int  # virtual stage on that rank (interleaved schedules)
+    ac: str  # none | selective | full
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How one parameter of a repeated block (or of the embedding/head) is split under TP."""
+
+    scope: str  # block class name, or "outside"
+    param: str  # parameter name within the scope
+    style: str  # colwise | rowwise | vocab | replicate
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_name: str
+    model_fingerprint: str
+    world_size: int
+    hardware: str
+    precision: str
+    global_batch: int
+    seq_len: int
+    tp: int
+    pp: int
+    dp: int
+    dp_shard: int
+    sp: bool
+    fsdp: bool
+    reshard_after_forward: bool
+    mb: int
+    n_microbatches: int
+    schedule: str
+    v: int
+    layers: tuple[LayerPlan, ...]
+    shard_rules: tuple[ShardRule, ...]
+    predicted: dict
+    collectives: tuple[dict, ...]
+    runners_up: tuple[dict, ...] = ()
+    pins: dict = field(default_factory=dict)
+    block_container: str = ""
+    version: int = PLAN_VERSION
+
+    # -- derived --------------------------------------------------------------------------
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp // self.dp_shard, self.dp_shard, self.tp)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return MESH_DIMS
+
+    def ac_summary(self) -> str:
+        modes = [l.ac for l in self.layers]
+        kinds = sorted(set(modes))
+        if len(kinds) == 1:
+            return kinds[0]
+        return ",".join(f"{k}:{modes.count(k)}" for k in ("none", "selective", "full") if k in modes)
+
+    def as_config_string(self) -> str:
+        """The ``key=value`` form that ``autopar estimate --plan`` and ``--pin`` accept."""
+        s = (f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},"
+             f"mb={self.mb},ac={self.ac_summary() if ':' not in self.ac_summary() else 'mixed'}")
+        if self.pp > 1:
+            s += f",schedule={self.schedule},v={self.v}"
+        return s
+
+    # -- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["mesh_shape"] = list(self.mesh_shape)
+        d["mesh_dim_names"] = list(MESH_DIMS)
+        return d
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        version = d.get("version")
+        if version != PLAN_VERSION:
+            raise PlanMismatchError(
+                f"plan format version {version!r} is not supported (this autopar reads version "
+                f"{PLAN_VERSION}); re-create the plan with 'autopar explain ... -o plan.json'"
+            )
+        d = {k: v for k, v in d.items() if k not in ("mesh_shape", "mesh_dim_names")}
+        try:
+            d["layers"] = tuple(LayerPlan(**x) for x in d["layers"])
+            d["shard_rules"] = tuple(ShardRule(**x) for x in d["shard_rules"])
+            d["collectives"] = tuple(d["collectives"])
+            d["runners_up"] = tuple(d.get("runners_up", ()))
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise AutoparError(f"plan JSON is missing or has unknown fields: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AutoparError(f"plan is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise AutoparError("plan JSON must be an object")
+        return cls.from_dict(d)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        try:
+            with open(path) as f:
+                return cls.from_json(f.read())
+        except OSError as e:
+            raise AutoparError(f"cannot read plan {path}: {e}") from e
+
+    def check(self, *, model_fingerprint: str | None = None, world_size: int | None = None) -> None:
+        if model_fingerprint is not None and model_fingerprint != self.model_fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for model {self.model_name} (fingerprint "
+                f"{self.model_fingerprint}), not for this model (fingerprint {model_fingerprint}); "
+                "plan this model instead"
+            )
+        if world_size is not None and world_size != self.world_size:
+            raise PlanMismatchError(
+                f"this plan is for {self.world_size} GPUs (mesh {dict(zip(MESH_DIMS, self.mesh_shape))}) "
+                f"but the mesh has {world_size}; plan again for {world_size}"
+            )
+
+    def diff(self, other: "Plan") -> list[str]:
+        """Human-readable differences, field by field."""
+        a, b = self.to_dict(), other.to_dict()
+        out = []
+        for k in sorted(set(a) | set(b)):
+            if k in ("layers", "predicted", "collectives", "runners_up"):
+                continue
+            if a.get(k) != b.get(k):
+                out.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
+        la, lb = self.layers, other.layers
+        changed = [f"{x.fqn}: {x.stage}/{x.chunk}/{x.ac} -> {y.stage}/{y.chunk}/{y.ac}"
+                   for x, y in zip(la, lb) if x != y]
+        if len(la) != len(lb):
+            out.append(f"layers: {len(la)} -> {len(lb)}")
+        out += changed
+        pa, pb = self.predicted, other.predicted
+        for k in ("step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb_per_gpu"):
+            if pa.get(k) != pb.get(k):
+                out.append(f"predicted {k}: {pa.get(k):.4g} -> {pb.get(k):.4g}")
+        return out

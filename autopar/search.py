@@ -1,0 +1,396 @@
+"""Search: the fastest configuration that fits, found exactly by branch and bound over a MILP.
+
+Two levels.
+
+**Outer (enumerated).** Every mesh ``pp x dp x tp = N`` (``tp`` divides every head count and
+sharded dimension, ``pp <= layers``), sequence parallelism, FSDP (shard degree ``dp_shard | dp``,
+HSDP when smaller, reshard after forward or not), microbatch size ``mb | B/dp``, schedule and
+virtual stages. Pins remove whatever they fix. Each such *configuration* ``c`` has a
+``StageModel`` whose per-layer coefficients do not depend on how layers are placed.
+
+**Inner (MILP, HiGHS via ``scipy.optimize.milp``).** For configuration ``c`` with ``pp`` ranks,
+``L`` layers and ``M`` microbatches, integer variables per rank ``r``: ``n_r`` layers, of which
+``s_r`` use selective and ``f_r`` full AC; a continuous ``z`` for the bottleneck::
+
+    minimise   a z + b sum_r t_r                    a = M - 1 + (v-1)/v,  b = 1/v  (PP)
+                                                    a = 0, b = M                   (no PP)
+    t_r   = n_r T_none + s_r (T_sel - T_none) + f_r (T_full - T_none) + C_r       (time, per mb)
+    mem_r = F_r + n_r (S + i_r A_none) + s_r i_r (A_sel - A_none) + f_r i_r (A_full - A_none)
+    s.t.   t_r <= z,   mem_r <= limit,   s_r + f_r <= n_r,   sum_r n_r = L,   n_r >= v
+
+where ``T, A, S`` are the layer's time, saved activations and static bytes, ``i_r`` the rank's
+microbatches in flight (``StageModel.inflight``) and ``C_r, F_r`` the embedding/head/p2p terms
+on the first and last rank. Layer repetition is what makes this small: the variables are counts,
+not layers, so the solve time does not grow with depth.
+
+**Branch and bound.** For every configuration a closed-form *upper bound* (balanced layers, the
+cheapest AC mix per rank that fits, found by enumeration) and a *lower bound* (balanced
+fractional layers, no AC, no memory limit) are computed. Configurations are visited in order of
+lower bound; the MILP runs only while a lower bound is below the best time found, so the result is
+the exact optimum of the model over the whole space. Ties are broken by the configuration key, so
+the same input always gives the same plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from autopar.cost_models.step import (
+    AC_MODES, SCHEDULES, Assignment, Config, CostContext, Estimate, StageModel, divisors,
+    valid_tp_degrees, validate_config,
+)
+from autopar.errors import AutoparError, InfeasibleError
+
+log = logging.getLogger(__name__)
+
+PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac"}
+
+
+@dataclass
+class Candidate:
+    sm: StageModel
+    lower: float
+    upper: float
+    upper_assignment: Assignment | None
+    solved: Estimate | None = None
+
+
+@dataclass
+class SearchResult:
+    best: Estimate
+    runners_up: list[Estimate]
+    n_configs: int
+    n_feasible: int
+    n_milp: int
+    seconds: float
+    stats: dict = field(default_factory=dict)
+
+
+def parse_pins(text: str | dict | None) -> dict:
+    """``"tp=8,pp=4,ac=full"`` -> ``{"tp": 8, "pp": 4, "ac": "full"}``, checked."""
+    if not text:
+        return {}
+    items = text.items() if isinstance(text, dict) else (kv.split("=", 1) for kv in text.split(",") if kv.strip())
+    out = {}
+    for item in items:
+        if len(item) != 2:
+            raise AutoparError(f"pin {'='.join(item)!r} is not key=value; keys: {', '.join(sorted(PIN_KEYS))}")
+        k, v = (str(x).strip() for x in item)
+        if k not in PIN_KEYS:
+            raise AutoparError(f"unknown pin {k!r}; known: {', '.join(sorted(PIN_KEYS))}")
+        if k == "ac":
+            if v not in AC_MODES:
+                raise AutoparError(f"ac={v!r}: choose one of {', '.join(AC_MODES)}")
+            out[k] = v
+        elif k == "schedule":
+            v = {"interleaved1f1b": "interleaved", "interleaved_1f1b": "interleaved"}.get(v.lower(), v.lower())
+            if v not in SCHEDULES:
+                raise AutoparError(f"schedule={v!r}: choose one of {', '.join(SCHEDULES)}")
+            out[k] = v
+        else:
+            try:
+                iv = int(v)
+            except ValueError:
+                raise AutoparError(f"pin {k}={v!r} must be an integer") from None
+            if iv < (0 if k in ("sp", "fsdp", "reshard") else 1):
+                raise AutoparError(f"pin {k}={iv} is out of range")
+            out[k] = bool(iv) if k in ("sp", "fsdp", "reshard") else iv
+    return out
+
+
+def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
+    """Clear errors for pins that can never work, before searching."""
+    m = ctx.model
+    prod = 1
+    for k in ("tp", "pp", "dp"):
+        prod *= pins.get(k, 1)
+    if world % prod:
+        fixed = " x ".join(f"{k}={pins[k]}" for k in ("tp", "pp", "dp") if k in pins)
+        raise AutoparError(f"pins {fixed} (product {prod}) do not divide the {world} GPUs; choose degrees whose product divides {world}")
+    if "tp" in pins and pins["tp"] > 1 and m.max_tp_check(pins["tp"]):
+        raise AutoparError(
+            f"tp={pins['tp']} does not divide {', '.join(m.max_tp_check(pins['tp']))} of {m.name}; "
+            f"valid TP degrees: {', '.join(str(t) for t in valid_tp_degrees(m, world) if world % t == 0)}"
+        )
+    if "pp" in pins and pins["pp"] > m.n_layers:
+        raise AutoparError(f"pp={pins['pp']} exceeds the {m.n_layers} layers of {m.name}")
+    if "dp" in pins and ctx.global_batch % pins["dp"]:
+        raise AutoparError(f"dp={pins['dp']} does not divide the global batch of {ctx.global_batch} sequences")
+    if pins.get("sp") and pins.get("tp", 2) == 1:
+        raise AutoparError("sp=1 needs tp > 1")
+
+
+def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
+    m, B = ctx.model, ctx.global_batch
+    out = []
+    tps = [t for t in divisors(world) if not m.max_tp_check(t)]
+    for tp in tps:
+        if "tp" in pins and tp != pins["tp"]:
+            continue
+        for pp in divisors(world // tp):
+            if pp > m.n_layers or ("pp" in pins and pp != pins["pp"]):
+                continue
+            dp = world // (tp * pp)
+            if B % dp or ("dp" in pins and dp != pins["dp"]):
+                continue
+            for mb in divisors(B // dp):
+                if "mb" in pins and mb != pins["mb"]:
+                    continue
+                M = B // dp // mb
+                if pp > 1 and M < pp:
+                    continue
+                scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + [
+                    ("interleaved", v) for v in (2, 4, 8) if pp * v <= m.n_layers and M % pp == 0
+                ]
+                for sched, v in scheds:
+                    if "schedule" in pins and pp > 1 and sched != pins["schedule"]:
+                        continue
+                    if "v" in pins and v != pins["v"]:
+                        continue
+                    for sp in ([False, True] if tp > 1 else [False]):
+                        if "sp" in pins and sp != pins["sp"]:
+                            continue
+                        fs_opts = [(False, 1, True)]
+                        if dp > 1:
+                            fs_opts += [(True, d, r) for d in divisors(dp) if d > 1 for r in (True, False)]
+                        for fsdp, shard, reshard in fs_opts:
+                            if "fsdp" in pins and fsdp != pins["fsdp"]:
+                                continue
+                            if "dp_shard" in pins and shard != pins["dp_shard"]:
+                                continue
+                            if "reshard" in pins and fsdp and reshard != pins["reshard"]:
+                                continue
+                            out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v))
+    return out
+
+
+def _affine(sm: StageModel, r: int):
+    """Time and memory of rank r as affine functions of its (none, selective, full) counts."""
+    t0 = sm.rank_time(r, (0, 0, 0))
+    m0 = sum(sm.rank_memory(r, (0, 0, 0)).values())
+    tc = [sm.rank_time(r, e) - t0 for e in ((1, 0, 0), (0, 1, 0), (0, 0, 1))]
+    mc = [sum(sm.rank_memory(r, e).values()) - m0 for e in ((1, 0, 0), (0, 1, 0), (0, 0, 1))]
+    return t0, tc, m0, mc
+
+
+def _allowed(pins: dict) -> tuple[bool, bool, bool]:
+    ac = pins.get("ac")
+    return tuple(ac is None or ac == a for a in AC_MODES)
+
+
+def best_mix(n: int, t0, tc, m0, mc, limit: float, allowed) -> tuple[float, tuple[int, int, int]] | None:
+    """Cheapest (none, sel, full) split of n layers on one rank that fits.
+
+    For each count ``f`` of fully checkpointed layers, more selective layers only cost time, so
+    the best ``s`` is the smallest that fits: ``s >= (m(n-f, 0, f) - limit) / (mc_none - mc_sel)``.
+    Exact, O(n).
+    """
+    best = None
+    for f in (range(n + 1) if allowed[2] else (0,)):
+        rest = n - f
+        base = m0 + rest * mc[0] + f * mc[2]
+        if not allowed[0]:
+            s = rest if allowed[1] else (0 if rest == 0 else None)
+        elif base <= limit:
+            s = 0
+        elif allowed[1] and mc[0] > mc[1]:
+            s = math.ceil((base - limit) / (mc[0] - mc[1]) - 1e-9)
+            s = s if s <= rest else None
+        else:
+            s = None
+        if s is None or (s and not allowed[1]):
+            continue
+        k0 = rest - s
+        if m0 + k0 * mc[0] + s * mc[1] + f * mc[2] > limit * (1 + 1e-12):
+            continue
+        t = t0 + k0 * tc[0] + s * tc[1] + f * tc[2]
+        if best is None or t < best[0] - 1e-15:
+            best = (t, (k0, s, f))
+    return best
+
+
+def _bounds(sm: StageModel, pins: dict, limit: float) -> tuple[float, float, Assignment | None]:
+    cfg = sm.cfg
+    allowed = _allowed(pins)
+    layers = sm.balanced_layers()
+    if cfg.schedule == "interleaved" and any(n < cfg.v for n in layers):
+        return math.inf, math.inf, None
+    times, acs = [], []
+    feasible = True
+    for r, n in enumerate(layers):
+        t0, tc, m0, mc = _affine(sm, r)
+        got = best_mix(n, t0, tc, m0, mc, limit, allowed)
+        if got is None:
+            feasible = False
+            break
+        times.append(got[0])
+        acs.append(got[1])
+    upper = sm.step_time(times) if feasible else math.inf
+    # Lower bound: fractional balanced layers at the cheapest allowed mode, no memory limit.
+    L = sm.ctx.model.n_layers
+    cheapest = min(sm.coeffs.time[a] for a, ok in zip(AC_MODES, allowed) if ok)
+    body = L * cheapest / cfg.pp
+    ends = [sm.rank_time(r, (0, 0, 0)) for r in range(cfg.pp)]
+    # The sum of rank times is at least this total, and the bottleneck at least its mean.
+    total = body * cfg.pp + sum(ends)
+    lower = sm.step_time([total / cfg.pp] * cfg.pp)
+    lower = min(lower, upper)
+    return lower, upper, (Assignment(tuple(layers), tuple(acs)) if feasible else None)
+
+
+def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
+    """Exact layer counts and AC mix per rank for one configuration (see module docstring)."""
+    cfg, L, M = sm.cfg, sm.ctx.model.n_layers, sm.M
+    pp = cfg.pp
+    allowed = _allowed(pins)
+    if pp == 1:
+        t0, tc, m0, mc = _affine(sm, 0)
+        got = best_mix(L, t0, tc, m0, mc, limit, allowed)
+        return Assignment((L,), (got[1],)) if got else None
+    nv = 3 * pp + 1  # n_r, s_r, f_r, z
+    iz = 3 * pp
+    a = (M - 1) + (cfg.v - 1) / cfg.v
+    b = 1.0 / cfg.v
+    c = np.zeros(nv)
+    c[iz] = a
+    rows, lo, hi = [], [], []
+    for r in range(pp):
+        t0, tc, m0, mc = _affine(sm, r)
+        n, s, f = r, pp + r, 2 * pp + r
+        # objective: b * t_r
+        c[n] += b * tc[0]
+        c[s] += b * (tc[1] - tc[0])
+        c[f] += b * (tc[2] - tc[0])
+        # t_r - z <= -t0
+        row = np.zeros(nv)
+        row[n], row[s], row[f], row[iz] = tc[0], tc[1] - tc[0], tc[2] - tc[0], -1.0
+        rows.append(row), lo.append(-np.inf), hi.append(-t0)
+        # memory
+        row = np.zeros(nv)
+        row[n], row[s], row[f] = mc[0], mc[1] - mc[0], mc[2] - mc[0]
+        rows.append(row), lo.append(-np.inf), hi.append(limit - m0)
+        # s + f <= n
+        row = np.zeros(nv)
+        row[n], row[s], row[f] = -1.0, 1.0, 1.0
+        rows.append(row), lo.append(-np.inf), hi.append(0.0)
+        if not allowed[0]:  # every layer checkpointed somehow: s + f == n
+            lo[-1] = 0.0
+    row = np.zeros(nv)
+    row[:pp] = 1.0
+    rows.append(row), lo.append(L), hi.append(L)
+    lb = np.zeros(nv)
+    ub = np.full(nv, float(L))
+    lb[:pp] = max(1, cfg.v)
+    if not allowed[1]:
+        ub[pp:2 * pp] = 0
+    if not allowed[2]:
+        ub[2 * pp:3 * pp] = 0
+    lb[iz], ub[iz] = 0.0, np.inf
+    integrality = np.ones(nv)
+    integrality[iz] = 0
+    # Scale time to milliseconds and memory to GiB for a well-conditioned problem.
+    A = np.array(rows)
+    res = milp(
+        c * 1e3, constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
+        integrality=integrality, bounds=Bounds(lb, ub), options={"disp": False, "mip_rel_gap": 1e-9},
+    )
+    if res.status != 0 or res.x is None:
+        return None
+    x = np.round(res.x[:iz]).astype(int)
+    layers = tuple(int(v) for v in x[:pp])
+    ac = tuple((int(x[r] - x[pp + r] - x[2 * pp + r]), int(x[pp + r]), int(x[2 * pp + r])) for r in range(pp))
+    return Assignment(layers, ac)
+
+
+def search(
+    ctx: CostContext, world: int, *, pins: dict | None = None, top_k: int = 5,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    t_start = time.perf_counter()
+    pins = parse_pins(pins) if not isinstance(pins, dict) else dict(pins)
+    check_pins(ctx, world, pins)
+    limit = ctx.limit_bytes
+    configs = enumerate_configs(ctx, world, pins)
+    if not configs:
+        raise AutoparError(
+            f"no configuration of {world} GPUs satisfies the pins {pins or '{}'} with global batch "
+            f"{ctx.global_batch}; relax a pin or change the batch"
+        )
+    cands: list[Candidate] = []
+    cache: dict = {}
+    closest: tuple[float, Config] | None = None
+    for i, cfg in enumerate(configs):
+        sm = StageModel(ctx, cfg, cache)
+        lower, upper, ua = _bounds(sm, pins, limit)
+        cands.append(Candidate(sm, lower, upper, ua))
+        if ua is None:
+            full = tuple((0, 0, n) if _allowed(pins)[2] else (n, 0, 0) for n in sm.balanced_layers())
+            need = max(sum(sm.rank_memory(r, ac).values()) for r, ac in enumerate(full))
+            if closest is None or need < closest[0]:
+                closest = (need, cfg)
+        if progress and i % 256 == 0:
+            progress(i, len(configs))
+    feasible = [c for c in cands if c.upper < math.inf]
+    if not feasible:
+        raise _infeasible(ctx, world, closest, pins)
+    # Branch and bound for the winner: visit configurations by lower bound, solve the MILP while
+    # a bound is below the best time found. Every other configuration keeps its upper bound.
+    best_time = min(c.upper for c in feasible)
+    n_milp = 0
+    for c in sorted(feasible, key=lambda c: (c.lower, c.sm.cfg.key())):
+        if c.lower > best_time * (1 + 1e-12):
+            break
+        if c.sm.cfg.pp > 1 and c.upper > c.lower * (1 + 1e-12):
+            n_milp += 1
+            a = solve_milp(c.sm, pins, limit)
+            if a is not None:
+                est = c.sm.evaluate(a)
+                if est.fits(limit * (1 + 1e-9)) and est.step_time_s < c.upper:
+                    c.solved = est
+                    c.upper = est.step_time_s
+                    best_time = min(best_time, c.upper)
+    # Runners-up: the best plan of each other shape (tp, pp, dp, fsdp, sp), so they differ in a
+    # way a user cares about.
+    by_shape: dict[tuple, Candidate] = {}
+    for c in feasible:
+        cfg = c.sm.cfg
+        shape = (cfg.tp, cfg.pp, cfg.dp, cfg.fsdp, cfg.sp)
+        old = by_shape.get(shape)
+        if old is None or (c.upper, cfg.key()) < (old.upper, old.sm.cfg.key()):
+            by_shape[shape] = c
+    ranked = sorted(by_shape.values(), key=lambda c: (c.upper, c.sm.cfg.key()))[: top_k + 1]
+    results = [c.solved or c.sm.evaluate(c.upper_assignment) for c in ranked]
+    if progress:
+        progress(len(configs), len(configs))
+    best = results[0]
+    return SearchResult(
+        best=best, runners_up=results[1:top_k + 1], n_configs=len(configs), n_feasible=len(feasible),
+        n_milp=n_milp, seconds=time.perf_counter() - t_start,
+    )
+
+
+def _infeasible(ctx: CostContext, world: int, closest, pins: dict) -> InfeasibleError:
+    limit_gb = ctx.limit_bytes / (1 << 30)
+    if closest is None:
+        return InfeasibleError(f"no configuration of {world} GPUs is valid for {ctx.model.name} with pins {pins}")
+    need, cfg = closest
+    need_gb = need / (1 << 30)
+    hints = []
+    if pins.get("ac") not in (None, "full"):
+        hints.append("allow activation checkpointing (drop the ac pin or pin ac=full)")
+    if cfg.mb > 1:
+        hints.append("a smaller microbatch")
+    hints.append(f"more GPUs (try --gpus {world * max(2, 2 ** math.ceil(math.log2(need_gb / limit_gb)))})")
+    hints.append("a larger memory limit or a GPU with more memory")
+    return InfeasibleError(
+        f"no plan of {ctx.model.name} fits in {limit_gb:.1f} GiB per GPU on {world} GPUs. The closest, "
+        f"{cfg.short()} with full activation checkpointing, needs {need_gb:.1f} GiB per GPU "
+        f"({need_gb - limit_gb:.1f} GiB over). What would fit: {'; '.join(hints)}."
+    )
