@@ -22,6 +22,7 @@ only per-layer cost is one fake forward, a few milliseconds per layer.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -191,12 +192,13 @@ def default_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 
 def _trace_error(e: Exception, what: str) -> TraceError:
     frames = traceback.extract_tb(e.__traceback__)
-    user = [f for f in frames if "site-packages/torch" not in f.filename]
+    here = os.path.dirname(os.path.abspath(__file__))
+    user = [f for f in frames if "site-packages/torch" not in f.filename and not f.filename.startswith(here)]
     where = f" at {user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else ""
     return TraceError(
         f"cannot trace {what}{where}: {type(e).__name__}: {e}. autopar traces the model on fake "
         "tensors; data-dependent Python control flow or .item()/.tolist() on activations cannot "
-        "be traced. Rewrite that line with tensor ops, or pin a plan that needs no graph."
+        "be traced. Rewrite that line with tensor ops (torch.where instead of if on a value)."
     )
 
 

@@ -1,0 +1,117 @@
+"""Capture and analysis: pairs, heads, regions and saved activations, on several model families."""
+
+import math
+import resource
+
+import pytest
+import torch
+import transformers
+
+from autopar import analysis, capture, models
+from tests.conftest import profile
+
+
+def roles(p):
+    return {l.weight: l.role for b in p.blocks for l in b.linears}
+
+
+def test_llama_pairs_heads_and_params(llama8b):
+    b = llama8b.blocks[0]
+    r = roles(llama8b)
+    assert {k for k, v in r.items() if v == "column"} == {
+        "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+        "feed_forward.w1.weight", "feed_forward.w3.weight"}
+    assert {k for k, v in r.items() if v == "row"} == {"attention.wo.weight", "feed_forward.w2.weight"}
+    assert (b.heads, b.kv_heads, b.head_dim) == (32, 8, 128)
+    assert b.count == 32 and llama8b.hidden == 4096 and llama8b.vocab == 128256
+    assert llama8b.n_params == pytest.approx(8.03e9, rel=1e-3)
+    assert llama8b.max_tp_check(8) == []
+    assert any("heads (8)" in x for x in llama8b.max_tp_check(16))
+    # 6N + attention, per token (torchtitan's MFU convention): N excludes the embedding.
+    n = llama8b.n_params - 128256 * 4096
+    attn = 12 * 32 * 4096 * 8192
+    assert llama8b.model_flops_per_token() == pytest.approx(6 * n + attn, rel=0.01)
+
+
+def test_gpt_activation_memory_matches_korthikanti():
+    # Korthikanti et al. 2022, eq. 1-2 and Table 2: per layer, 16-bit activations, 1-byte masks.
+    h, a, s = 768, 12, 2048
+    cfg = models.GPTConfig(h, 2, a, 51200, s, dropout=0.1)
+    p = analysis.analyze(capture.trace_model(lambda: models.GPT(cfg), batch=1, seq_len=s))
+    sv = p.blocks[0].saved
+    sbh = s * h
+    none = sum(sv["none"]) / sbh
+    # Our GPT also keeps its s x s boolean causal mask (s*s bytes) which Megatron's fused kernel does not.
+    assert none == pytest.approx(34 + 5 * a * s / h + s / h, rel=0.01)
+    assert sum(sv["selective"]) / sbh == pytest.approx(34, rel=0.01)
+    assert sum(sv["full"]) / sbh == pytest.approx(2, rel=1e-6)
+    # With tensor parallelism t and sequence parallelism: everything divides by t (eq. 4-5).
+    tp_part, rep_part = sv["selective"]
+    assert rep_part / sbh == pytest.approx(10, rel=0.01)  # norms, residual, dropout masks, block input
+    assert tp_part / sbh == pytest.approx(24, rel=0.01)
+
+
+def test_batch_scaling_is_linear():
+    p1 = profile("llama-tiny")
+    src = models.resolve("llama-tiny")
+    p4 = analysis.analyze(capture.trace_model(src.build, batch=4, seq_len=64))
+    for mode in ("none", "selective", "full"):
+        assert sum(p4.blocks[0].saved[mode]) == pytest.approx(sum(p1.blocks[0].saved[mode]), rel=1e-6)
+    assert p4.blocks[0].costs.flops.sum() == pytest.approx(p1.blocks[0].costs.flops.sum(), rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_hf_families_pairs(family):
+    kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=4, vocab_size=512)
+    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[family](**kw)
+    src = models.hf_source_from_config(cfg)
+    p = analysis.analyze(capture.trace_model(src.build, batch=1, seq_len=32, vocab_size=512))
+    b = p.blocks[0]
+    assert b.count == 2
+    assert sorted(v for v in roles(p).values()) == ["column"] * 5 + ["row"] * 2
+    assert (b.heads, b.kv_heads) == (8, 4)
+    assert p.max_tp_check(4) == [] and p.max_tp_check(8)
+
+
+def test_hf_gpt2_fused_qkv_is_not_tp_sharded():
+    cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=512)
+    src = models.hf_source_from_config(cfg)
+    p = analysis.analyze(capture.trace_model(src.build, batch=1, seq_len=32, vocab_size=512))
+    b = p.blocks[0]
+    lin = {l.weight: l for l in b.linears}
+    assert lin["attn.c_attn.weight"].fused and lin["attn.c_attn.weight"].role == "replicated"
+    assert lin["mlp.c_fc.weight"].role == "column" and lin["mlp.c_proj.weight"].role == "row"
+    # Conv1D stores (in, out): the analysis reads the orientation from the graph.
+    assert (lin["mlp.c_fc.weight"].in_features, lin["mlp.c_fc.weight"].out_features) == (128, 512)
+
+
+def test_405b_planned_without_allocating():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    p = profile("llama3-405b")
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert p.n_params == pytest.approx(405.85e9, rel=1e-3)
+    assert p.n_layers == 126 and len(p.blocks) == 1
+    assert (after - before) * 1024 < 2 * 2**30  # far below the 810 GB the bf16 weights would take
+
+
+def test_untraceable_model_names_the_line():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.emb = torch.nn.Embedding(16, 8)
+
+        def forward(self, x):
+            h = self.emb(x)
+            if h.sum().item() > 0:  # data-dependent control flow
+                h = h * 2
+            for l in self.layers:
+                h = l(h)
+            return h
+
+    from autopar.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"test_analysis.py:\d+.*item"):
+        capture.trace_model(Bad, batch=1, seq_len=4, vocab_size=16)

@@ -1,0 +1,123 @@
+"""Cost formulas against numbers computed by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from autopar.analysis import KIND_ATTN, KIND_MATMUL, KIND_OTHER, NodeCosts
+from autopar.cost_models import Config, CostContext, estimate, load_hardware
+from autopar.cost_models.comm import Group, collective_time, group_on_mesh
+from autopar.cost_models.compute import node_times
+from autopar.cost_models.step import GiB, StageModel, uniform_assignment
+from autopar.errors import AutoparError
+
+HW = load_hardware("h100").with_efficiency(collective=1.0, matmul=0.5, attention=0.5, memory=1.0, fusion=1.0)
+
+
+def test_ring_all_gather_inside_a_node():
+    n = 1 << 30
+    t = collective_time(HW, "all_gather", n, Group(8, 8))
+    assert t == pytest.approx(7 * 4e-6 + 7 / 8 * n / 450e9)
+
+
+def test_two_level_reduce_scatter_across_nodes():
+    # 16 ranks, 8 per node on 2 nodes: intra (7/8) n / 450 GB/s + inter (1/2) n / (8 * 50 GB/s).
+    n = 1e9
+    t = collective_time(HW, "reduce_scatter", n, Group(16, 8))
+    assert t == pytest.approx(15 * 12e-6 + 7 / 8 * n / 450e9 + 0.5 * n / (8 * 50e9))
+
+
+def test_all_reduce_takes_cheaper_of_ring_and_tree():
+    small, big = 1e3, 1e9
+    g = Group(64, 1)  # one rank per node: 64 nodes
+    ring = lambda n: 2 * (63 * 12e-6 + 63 / 64 * n / 50e9)  # noqa: E731
+    tree = lambda n: 2 * math.log2(64) * 12e-6 + 2 * n / 50e9  # noqa: E731
+    assert collective_time(HW, "all_reduce", small, g) == pytest.approx(min(ring(small), tree(small)))
+    assert collective_time(HW, "all_reduce", big, g) == pytest.approx(min(ring(big), tree(big)))
+    assert collective_time(HW, "all_reduce", small, g) == pytest.approx(tree(small))
+
+
+def test_groups_on_the_mesh():
+    # mesh (pp=4, dp=8, tp=8) on 8-GPU nodes: tp inside a node, dp one rank per node.
+    assert group_on_mesh([4, 8, 8], 2, 8) == Group(8, 8)
+    assert group_on_mesh([4, 8, 8], 1, 8) == Group(8, 1)
+    assert group_on_mesh([4, 4, 2], 1, 8) == Group(4, 4)
+    assert Group(8, 1).nodes == 8
+
+
+def test_fitted_collective_overrides_analytic():
+    hw = load_hardware({**HW.to_dict(), "collectives": {"all_reduce": {"4": [10.0, 2.0]}}})
+    assert collective_time(hw, "all_reduce", 4e9, Group(4, 4)) == pytest.approx(10e-6 + 2.0)
+
+
+def test_roofline_compute_and_memory_bound():
+    costs = NodeCosts(
+        names=["mm", "attn", "add"], flops=np.array([2e12, 1e12, 0.0]),
+        act_bytes=np.array([1e6, 1e6, 3e9]), weight_bytes=np.array([2e8, 0, 0]),
+        kind=np.array([KIND_MATMUL, KIND_ATTN, KIND_OTHER], dtype=np.int8),
+        tp=np.array([True, True, False]), causal=np.array([False, True, False]),
+        recompute_selective=np.array([False, False, True]),
+    )
+    ct = node_times(costs, HW, mb=2, tp=2, sp=False, compiled=False)
+    peak = 989e12 * 0.5
+    t_mm = 2e12 * 2 / 2 / peak
+    t_attn = 1e12 * 2 / 2 * 0.5 / peak  # causal: half the blocks
+    t_add = 3e9 * 2 / 3350e9  # sequence region, no SP: not divided by tp
+    assert ct.fwd == pytest.approx(t_mm + t_attn + t_add)
+    assert ct.bwd == pytest.approx(2 * t_mm + 2.5 * t_attn + 2 * t_add)
+    assert ct.recompute_selective == pytest.approx(t_add)
+    sp = node_times(costs, HW, mb=2, tp=2, sp=True, compiled=False)
+    assert sp.fwd == pytest.approx(t_mm + t_attn + t_add / 2)
+
+
+def test_memory_states_fsdp_vs_ddp(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 16)
+    ddp = StageModel(ctx, Config(dp=8, mb=1))
+    fsdp = StageModel(ctx, Config(dp=8, dp_shard=8, fsdp=True, mb=1))
+    p = llama8b.n_params
+    states = lambda sm: sum(sm.rank_memory(0, (32, 0, 0))["parameters+grads+optimizer"] for _ in [0])  # noqa: E731
+    assert states(ddp) == pytest.approx(p * 18, rel=1e-6)  # fp32 param+grad+2 Adam states + bf16 copy
+    assert states(fsdp) == pytest.approx(p * 16 / 8, rel=1e-6)
+
+
+def test_activation_memory_scales_with_tp_sp_and_inflight(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 64)
+    b = llama8b.blocks[0]
+    sm = StageModel(ctx, Config(tp=4, sp=True, pp=4, dp=2, mb=2, schedule="1f1b"))
+    per_layer = 2 * (b.saved["none"][0] / 4 + b.saved["none"][1] / 4)
+    assert sm.coeffs.act["none"] == pytest.approx(per_layer)
+    assert [sm.inflight(r) for r in range(4)] == [4, 3, 2, 1]
+    nosp = StageModel(ctx, Config(tp=4, sp=False, pp=4, dp=2, mb=2))
+    assert nosp.coeffs.act["none"] == pytest.approx(2 * (b.saved["none"][0] / 4 + b.saved["none"][1]))
+    gp = StageModel(ctx, Config(tp=4, pp=4, dp=2, mb=2, schedule="gpipe"))
+    assert gp.inflight(0) == gp.M == 16
+    il = StageModel(ctx, Config(tp=4, pp=4, dp=2, mb=2, schedule="interleaved", v=2))
+    assert il.inflight(0) == pytest.approx(min(16 * 2, 4 + 2 * 3 + 1) / 2)
+
+
+def test_pipeline_bubble_formula(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 64)
+    for sched, v in (("1f1b", 1), ("interleaved", 2)):
+        sm = StageModel(ctx, Config(pp=4, dp=2, mb=1, schedule=sched, v=v))
+        t = [1.0, 1.0, 1.0, 1.0]
+        M = sm.M
+        assert sm.step_time(t) - sm.optimizer_time() - sm.dp_exposed() == pytest.approx(M + 3 / v)
+
+
+def test_estimate_rejects_bad_configs(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 16)
+    with pytest.raises(AutoparError, match=r"tp=16 does not divide .*heads \(8\)"):
+        estimate(ctx, Config(tp=16, dp=1))
+    with pytest.raises(AutoparError, match="microbatches cannot fill"):
+        estimate(ctx, Config(pp=8, dp=2, mb=4))
+    with pytest.raises(AutoparError, match="not divisible by mb"):
+        estimate(ctx, Config(dp=8, mb=3))
+
+
+def test_breakdown_sums_to_step_time(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 64)
+    e = estimate(ctx, Config(tp=2, sp=True, pp=2, dp=16, dp_shard=16, fsdp=True, mb=1, schedule="1f1b"), ac="selective")
+    assert sum(e.breakdown.values()) == pytest.approx(e.step_time_s)
+    assert e.breakdown["bubble"] > 0 and e.breakdown["tp_comm"] > 0
+    assert e.peak_memory_gb * GiB == pytest.approx(max(e.memory_bytes))

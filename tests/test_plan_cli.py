@@ -1,0 +1,101 @@
+"""Plan JSON round trip and checks; the CLI's output and errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autopar import api, cli
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.plan import Plan
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return api.plan("llama-tiny", 4, hardware="cpu", global_batch=8, precision="fp32", top_k=2)
+
+
+def test_round_trip(tiny_plan, tmp_path):
+    path = tmp_path / "p.json"
+    tiny_plan.save(str(path))
+    back = Plan.load(str(path))
+    assert back == tiny_plan
+    assert back.to_json() == tiny_plan.to_json()
+    assert tiny_plan.diff(back) == []
+    assert back.mesh_shape == (tiny_plan.pp, tiny_plan.dp // tiny_plan.dp_shard, tiny_plan.dp_shard, tiny_plan.tp)
+    assert len(back.layers) == 4
+
+
+def test_plan_checks(tiny_plan):
+    with pytest.raises(PlanMismatchError, match="for 4 GPUs .* mesh has 8"):
+        tiny_plan.check(world_size=8)
+    with pytest.raises(PlanMismatchError, match="made for model llama-tiny"):
+        tiny_plan.check(model_fingerprint="0" * 16)
+    tiny_plan.check(model_fingerprint=tiny_plan.model_fingerprint, world_size=4)
+    d = json.loads(tiny_plan.to_json())
+    d["version"] = 99
+    with pytest.raises(PlanMismatchError, match="version 99"):
+        Plan.from_dict(d)
+    with pytest.raises(AutoparError, match="not valid JSON"):
+        Plan.from_json("{not json")
+
+
+def test_diff_names_changes(tiny_plan):
+    other = api.plan("llama-tiny", 4, hardware="cpu", global_batch=8, precision="fp32", pin="tp=2")
+    lines = tiny_plan.diff(other)
+    assert any(l.startswith("tp:") for l in lines) or tiny_plan.tp == 2
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_explain_json_and_text():
+    r = run_cli("explain", "llama3-8b", "--gpus", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for k in ("plan", "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb_per_gpu", "breakdown"):
+        assert k in d
+    for k in ("tp", "pp", "dp", "sp", "fsdp", "mb", "ac", "schedule", "v", "layers"):
+        assert k in d["plan"]
+    p = d["plan"]
+    assert p["tp"] * p["pp"] * p["dp"] == 64
+    assert d["memory_gb_per_gpu"] <= 80.0
+    assert sum(d["breakdown"].values()) == pytest.approx(d["step_time_s"])
+    assert len(d["runners_up"]) == 3
+
+
+def test_estimate_hand_written_plan():
+    r = run_cli("estimate", "llama3-70b", "--gpus", "256", "--global-batch", "512", "--json",
+                "--plan", "tp=8,pp=1,dp=32,sp=1,fsdp=1,mb=16,ac=full")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["plan"]["tp"], d["plan"]["dp"], d["plan"]["ac"], d["plan"]["mb"]) == (8, 32, "full", 16)
+    assert d["tokens_per_s_per_gpu"] > 0 and 0 < d["mfu"] < 1
+
+
+def test_version_and_text_output(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert "autopar 0.1.0" in capsys.readouterr().out
+    assert cli.main(["explain", "llama-tiny", "--gpus", "2", "--hardware", "cpu", "--precision", "fp32",
+                     "--global-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    for section in ("mesh:", "layers", "step time breakdown", "memory per GPU", "collectives inserted"):
+        assert section in out
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["explain", "llama3-8b", "--gpus", "64", "--pin", "tp=16"], "tp=16 does not divide"),
+    (["explain", "nosuch", "--gpus", "8"], "unknown model 'nosuch'. Known presets: "),
+    (["explain", "llama3-8b", "--gpus", "8", "--hardware", "tpu9"], "unknown hardware 'tpu9'. Known: "),
+    (["explain", "llama3-70b", "--gpus", "2", "--global-batch", "2"], "no plan of llama3-70b fits"),
+    (["estimate", "llama3-8b", "--gpus", "64", "--plan", "tp=8,pp=2,dp=2"], "tp\\*pp\\*dp = 8\\*2\\*2 = 32 but there are 64"),
+])
+def test_bad_input_exits_2_with_message(args, msg, capsys):
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    import re
+
+    assert re.search(msg, err), err

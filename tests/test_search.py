@@ -1,0 +1,132 @@
+"""Search against brute force, determinism, pins, and clear errors."""
+
+import itertools
+import math
+
+import pytest
+
+from autopar import search
+from autopar.cost_models import CostContext, load_hardware
+from autopar.cost_models.step import AC_MODES, Assignment, StageModel
+from autopar.errors import AutoparError, InfeasibleError
+
+SMALL_HW = {"name": "small", "peak_tflops": 100, "memory_gb": 1, "memory_bandwidth_gbps": 1000,
+            "gpus_per_node": 4, "intra_node_gbps": 100, "inter_node_gbps": 10, "reserve_gb": 0.0}
+
+
+def _splits(n, v):
+    for s in range(n + 1):
+        for f in range(n - s + 1):
+            yield (n - s - f, s, f)
+
+
+def _compositions(L, pp, lo):
+    if pp == 1:
+        if L >= lo:
+            yield (L,)
+        return
+    for first in range(lo, L - lo * (pp - 1) + 1):
+        for rest in _compositions(L - first, pp - 1, lo):
+            yield (first,) + rest
+
+
+def brute_force(ctx, world, pins=None):
+    best, count = None, 0
+    for cfg in search.enumerate_configs(ctx, world, pins or {}):
+        sm = StageModel(ctx, cfg)
+        L = ctx.model.n_layers
+        for layers in _compositions(L, cfg.pp, cfg.v):
+            for ac in itertools.product(*[list(_splits(n, cfg.v)) for n in layers]):
+                if pins and "ac" in pins:
+                    i = AC_MODES.index(pins["ac"])
+                    if any(x[j] for x in ac for j in range(3) if j != i):
+                        continue
+                count += 1
+                e = sm.evaluate(Assignment(layers, ac))
+                if e.fits(ctx.limit_bytes) and (best is None or e.step_time_s < best.step_time_s - 1e-15):
+                    best = e
+    return best, count
+
+
+@pytest.mark.parametrize("limit_frac", [1.2, 0.55, 0.35])
+def test_search_equals_enumeration(llama_small, limit_frac):
+    hw = load_hardware(SMALL_HW)
+    ctx0 = CostContext(llama_small, hw, 8)
+    # A limit relative to the no-AC, single-stage, unsharded memory, so AC and PP matter.
+    base = StageModel(ctx0, search.enumerate_configs(ctx0, 4, {"tp": 1, "pp": 1, "fsdp": False, "mb": 2})[0])
+    limit = sum(base.rank_memory(0, (8, 0, 0)).values()) * limit_frac / 2**30
+    ctx = CostContext(llama_small, hw, 8, memory_limit_gb=limit)
+    bf, n = brute_force(ctx, 4)
+    assert n >= 10_000
+    try:
+        got = search.search(ctx, 4)
+    except InfeasibleError:
+        assert bf is None
+        return
+    assert bf is not None
+    assert got.best.step_time_s == pytest.approx(bf.step_time_s, rel=1e-9)
+
+
+def test_search_equals_enumeration_with_pins(llama_small):
+    hw = load_hardware(SMALL_HW)
+    ctx = CostContext(llama_small, hw, 16, memory_limit_gb=0.02)
+    pins = {"pp": 2}
+    bf, n = brute_force(ctx, 8, pins)
+    got = search.search(ctx, 8, pins=pins)
+    assert n >= 10_000
+    assert got.best.config.pp == 2
+    assert got.best.step_time_s == pytest.approx(bf.step_time_s, rel=1e-9)
+
+
+def test_deterministic(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 256)
+    a = search.search(ctx, 64)
+    b = search.search(ctx, 64)
+    assert a.best.config == b.best.config and a.best.assignment == b.best.assignment
+    assert [r.config for r in a.runners_up] == [r.config for r in b.runners_up]
+
+
+def test_pins_are_honoured(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 256)
+    r = search.search(ctx, 64, pins=search.parse_pins("tp=8,pp=2,ac=full"))
+    c = r.best.config
+    assert (c.tp, c.pp, c.dp) == (8, 2, 4)
+    assert all(x == (0, 0, n) for x, n in zip(r.best.assignment.ac, r.best.assignment.layers))
+
+
+def test_bad_pins(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 256)
+    with pytest.raises(AutoparError, match=r"tp=16 does not divide .*heads \(8\).*valid TP degrees: 1, 2, 4, 8"):
+        search.search(ctx, 64, pins={"tp": 16})
+    with pytest.raises(AutoparError, match=r"product 24\) do not divide the 64 GPUs"):
+        search.search(ctx, 64, pins={"tp": 8, "pp": 3})
+    with pytest.raises(AutoparError, match="unknown pin 'zz'"):
+        search.parse_pins("zz=1")
+    with pytest.raises(AutoparError, match="must be an integer"):
+        search.parse_pins("tp=x")
+
+
+def test_infeasible_names_the_shortfall(llama8b):
+    ctx = CostContext(llama8b, load_hardware("h100"), 8, memory_limit_gb=20)
+    with pytest.raises(InfeasibleError, match=r"closest.*needs [\d.]+ GiB per GPU \([\d.]+ GiB over\).*more GPUs"):
+        search.search(ctx, 1)
+
+
+def test_sensible_choices(llama8b):
+    from tests.conftest import profile
+
+    h100 = load_hardware("h100")
+    # 8B on 8 GPUs with room: no tensor parallelism.
+    assert search.search(CostContext(llama8b, h100, 32), 8).best.config.tp == 1
+    # 175B-class: TP inside the node and PP across nodes (when sharding data parallelism is off,
+    # as in Megatron-LM's setting).
+    gpt = profile("gpt-175b")
+    c = search.search(CostContext(gpt, h100, 1536), 1024, pins={"fsdp": 0}).best.config
+    assert 1 < c.tp <= 8 and c.pp > 1
+    # 405B on 16,384: TP 8 in the node, PP across nodes (the Llama 3 paper's layout).
+    big = profile("llama3-405b")
+    c = search.search(CostContext(big, h100, 2048), 16384).best.config
+    assert c.tp == 8 and c.pp > 1
+    # Interleaving when the bubble is large: few microbatches per pipeline.
+    c = search.search(CostContext(big, h100, 2048), 16384, pins={"pp": 16}).best.config
+    assert c.schedule == "interleaved" and c.v > 1
