@@ -77,15 +77,20 @@ def profile_model(
     return Profiled(prof, name, time.perf_counter() - t0)
 
 
+def default_global_batch(seq_len: int, world: int = 1) -> int:
+    """4M tokens per step, and at least one sequence per 8 GPUs (Llama 3 405B: 16M tokens on 16K)."""
+    return max(1, DEFAULT_TOKENS_PER_STEP // seq_len, world // 8)
+
+
 def make_context(
-    prof: analysis.ModelProfile, *, hardware: str | dict | Hardware = "h100", global_batch: int | None = None,
+    prof: analysis.ModelProfile, *, world: int = 1, hardware: str | dict | Hardware = "h100", global_batch: int | None = None,
     precision: str = "bf16", memory_limit_gb: float | None = None, compiled: bool = True,
     async_tp: bool = False, fp8: bool = False,
 ) -> CostContext:
     if precision not in ("bf16", "fp16", "fp32"):
         raise AutoparError(f"precision {precision!r}: choose bf16, fp16 or fp32")
     if global_batch is None:
-        global_batch = max(1, DEFAULT_TOKENS_PER_STEP // prof.seq_len)
+        global_batch = default_global_batch(prof.seq_len, world)
     if global_batch < 1:
         raise AutoparError(f"global batch must be at least 1 sequence, got {global_batch}")
     hw = load_hardware(hardware)
@@ -115,8 +120,8 @@ def plan(
     world = _world(world_size_or_mesh)
     prof = profiled or profile_model(model, seq_len=seq_len, example_inputs=example_inputs,
                                      precision=precision, loss_fn=loss_fn)
-    ctx = make_context(prof.profile, hardware=hardware, global_batch=global_batch, precision=precision,
-                       memory_limit_gb=memory_limit_gb)
+    ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
+                       precision=precision, memory_limit_gb=memory_limit_gb)
     pins = search_mod.parse_pins(pin)
     res = search_mod.search(ctx, world, pins=pins, top_k=top_k, progress=progress)
     log.info("planned %s on %d GPUs: capture+analysis %.2fs, search %.2fs (%d configs, %d MILPs)",
@@ -131,8 +136,8 @@ def estimate_plan(
 ) -> tuple[Plan, Estimate, CostContext]:
     """Price a configuration the user gives (``tp=8,pp=8,dp=1,...``) with the planner's model."""
     prof = profiled or profile_model(model, seq_len=seq_len, precision=precision)
-    ctx = make_context(prof.profile, hardware=hardware, global_batch=global_batch, precision=precision,
-                       memory_limit_gb=memory_limit_gb)
+    ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
+                       precision=precision, memory_limit_gb=memory_limit_gb)
     kv = search_mod.parse_pins(config)
     tp, pp = kv.get("tp", 1), kv.get("pp", 1)
     dp = kv.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0)

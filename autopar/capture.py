@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch._dynamo  # noqa: F401  (FakeTensorMode imports it on first use; pay at import)
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -249,6 +250,23 @@ def trace_model(
             return None
 
         handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
+    # Only the first block of each signature runs: the others pass its output on, which has the
+    # right shape and type for the rest of the model (what the outside ops and the loss need).
+    last_out: dict[str, Any] = {}
+    patched = []
+    for sig, insts in by_sig.items():
+        first = insts[0][1]
+
+        def remember(mod, args, out, sig=sig):
+            last_out[sig] = out
+
+        handles.append(first.register_forward_hook(remember))
+        for _, inst in insts[1:]:
+            def passthrough(*a, sig=sig, **k):
+                return last_out[sig]
+
+            inst.forward = passthrough
+            patched.append(inst)
     for fqn, m in members:
         def enter(mod, args):
             depth[0] += 1
@@ -298,6 +316,8 @@ def trace_model(
     finally:
         for h in handles:
             h.remove()
+        for inst in patched:
+            del inst.forward
 
     blocks = []
     for sig, insts in by_sig.items():

@@ -159,7 +159,10 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                             continue
                         fs_opts = [(False, 1, True)]
                         if dp > 1:
-                            fs_opts += [(True, d, r) for d in divisors(dp) if d > 1 for r in (True, False)]
+                            # HSDP shard groups span whole nodes (or are all of dp).
+                            gpn = ctx.hw.gpus_per_node
+                            shards = [d for d in divisors(dp) if d > 1 and (d == dp or (d * tp) % gpn == 0)]
+                            fs_opts += [(True, d, r) for d in shards for r in (True, False)]
                         for fsdp, shard, reshard in fs_opts:
                             if "fsdp" in pins and fsdp != pins["fsdp"]:
                                 continue
@@ -320,8 +323,10 @@ def search(
     configs = enumerate_configs(ctx, world, pins)
     if not configs:
         raise AutoparError(
-            f"no configuration of {world} GPUs satisfies the pins {pins or '{}'} with global batch "
-            f"{ctx.global_batch}; relax a pin or change the batch"
+            f"no configuration of {world} GPUs satisfies the pins {pins or '{}'} with a global batch of "
+            f"{ctx.global_batch} sequences (every data-parallel rank needs whole microbatches, and a "
+            f"pipeline of pp stages needs at least pp of them); relax a pin or use a global batch that "
+            f"is a multiple of {max(1, world // 8)}"
         )
     cands: list[Candidate] = []
     cache: dict = {}

@@ -1,0 +1,50 @@
+"""Planning time on this machine, from model to plan (capture, analysis, costing, search), with
+``import torch, autopar`` excluded, and peak RSS. Each case runs in a fresh process so that the
+numbers include the first fake-tensor use and nothing is cached between cases.
+
+Targets (issue 2): llama3-8b on 64 H100 < 1 s; llama3-405b on 16,384 H100 < 10 s, RSS < 4 GB.
+"""
+
+import json
+import subprocess
+import sys
+
+from bench.common import write
+
+CASES = [("llama3-8b", 64, 1.0), ("llama3-70b", 512, None), ("gpt-175b", 1024, None), ("llama3-405b", 16384, 10.0)]
+
+CHILD = r"""
+import json, resource, sys, time
+import torch, autopar
+from autopar import api
+name, gpus = sys.argv[1], int(sys.argv[2])
+t0 = time.perf_counter()
+prof = api.profile_model(name)
+t1 = time.perf_counter()
+plan = api.plan(name, gpus, profiled=prof)
+t2 = time.perf_counter()
+print(json.dumps({"capture_s": t1 - t0, "search_s": t2 - t1, "total_s": t2 - t0,
+                  "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                  "plan": plan.as_config_string(), "mfu": plan.predicted["mfu"]}))
+"""
+
+
+def main() -> int:
+    rows, ok = [], True
+    for name, gpus, target in CASES:
+        out = subprocess.run([sys.executable, "-c", CHILD, name, str(gpus)], capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r.update(model=name, gpus=gpus, target_s=target or "", meets=(r["total_s"] < target) if target else "")
+        if target and not r["meets"]:
+            ok = False
+        rows.append(r)
+        print(f"{name:12s} {gpus:6d} GPUs  capture {r['capture_s']:.2f}s  search {r['search_s']:.2f}s  "
+              f"total {r['total_s']:.2f}s  RSS {r['rss_gb']:.2f} GB  -> {r['plan']}")
+    write("planning_time", rows, {"all targets met": ok},
+          ["model", "gpus", "capture_s", "search_s", "total_s", "target_s", "meets", "rss_gb", "plan"],
+          "Planning time (2-core CPU machine, fresh process per case)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
