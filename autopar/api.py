@@ -39,7 +39,7 @@ def profile_model(
     """Trace and analyse ``model``: an ``nn.Module``, a preset name, a model source or a factory."""
     t0 = time.perf_counter()
     if isinstance(model, str):
-        model = models.resolve(model)
+        model = models.resolve(model, seq_len=seq_len)
     vocab = None
     name = type(model).__name__
     if isinstance(model, models.ModelSource):

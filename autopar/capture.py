@@ -196,11 +196,18 @@ def _trace_error(e: Exception, what: str) -> TraceError:
     here = os.path.dirname(os.path.abspath(__file__))
     user = [f for f in frames if "site-packages/torch" not in f.filename and not f.filename.startswith(here)]
     where = f" at {user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else ""
-    return TraceError(
-        f"cannot trace {what}{where}: {type(e).__name__}: {e}. autopar traces the model on fake "
-        "tensors; data-dependent Python control flow or .item()/.tolist() on activations cannot "
-        "be traced. Rewrite that line with tensor ops (torch.where instead of if on a value)."
-    )
+    if "DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower():
+        advice = (
+            "autopar traces the model on fake tensors, where values are unknown: Python control flow "
+            "on a tensor's value, .item() or .tolist() cannot be traced. Rewrite that line with tensor "
+            "ops (torch.where instead of an if on a value)."
+        )
+    else:
+        advice = (
+            "The model failed on fake inputs of the planned shape: check the sequence length "
+            "(--seq-len) and example inputs against what the model accepts."
+        )
+    return TraceError(f"cannot trace {what}{where}: {type(e).__name__}: {e}. {advice}")
 
 
 def trace_model(

@@ -236,8 +236,10 @@ PRESETS: dict[str, Any] = {
 }
 
 
-def build_preset(name: str) -> nn.Module:
+def build_preset(name: str, seq_len: int | None = None) -> nn.Module:
     cfg = PRESETS[name]
+    if seq_len and seq_len > cfg.max_seq_len:  # longer contexts need longer position tables
+        cfg = dataclasses.replace(cfg, max_seq_len=seq_len)
     return Llama(cfg) if isinstance(cfg, LlamaConfig) else GPT(cfg)
 
 
@@ -302,13 +304,13 @@ def hf_source_from_config(config: Any) -> ModelSource:
     return _hf_source(f.name)
 
 
-def resolve(spec: str) -> ModelSource:
+def resolve(spec: str, seq_len: int | None = None) -> ModelSource:
     """Turn a CLI model argument into a ModelSource, with an error that lists what is known."""
     if spec in PRESETS:
         cfg = PRESETS[spec]
         return ModelSource(
             name=spec,
-            build=lambda: build_preset(spec),
+            build=lambda: build_preset(spec, seq_len),
             seq_len=cfg.max_seq_len,
             vocab_size=cfg.vocab_size,
             spec={"kind": "preset", "name": spec},
