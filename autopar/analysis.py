@@ -133,6 +133,8 @@ class ModelProfile:
     block_container: str
     n_params: int
     tied: list[tuple[str, str]] = field(default_factory=list)
+    module_types: dict[str, str] = field(default_factory=dict)
+    outside_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _layer_seq: list | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -295,8 +297,10 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     closures = {lin: closure(lin) for lin in linears}
     for lin, cl in closures.items():
         if cl & hidden_ph:
-            if is_fused(lin):
-                linears[lin].fused = True
+            if is_fused(lin) or not linears[lin].transposed_storage:
+                # Fused projections, and weights stored (in, out) (HF Conv1D), stay replicated:
+                # contiguous column shards of them would not be head-aligned.
+                linears[lin].fused = is_fused(lin)
             else:
                 linears[lin].role = "column"
     tp_nodes: set[str] = set()
@@ -498,7 +502,8 @@ def analyze(trace: ModelTrace) -> ModelProfile:
         name=trace.name, fingerprint=fp, seq_len=trace.seq_len,
         dtype_bytes=torch.tensor([], dtype=trace.dtype).element_size(), hidden=hidden, vocab=vocab,
         blocks=blocks, pre=pre, post=post, block_container=trace.block_container,
-        n_params=n_params, tied=trace.tied,
+        n_params=n_params, tied=trace.tied, module_types=trace.module_types,
+        outside_params={n: shape for n, (shape, owner) in trace.params.items() if owner == "outside"},
     )
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import minimize
 
 from autopar import api
-from autopar.cost_models.hardware import load as load_hardware
+from autopar.cost_models.hardware import DEFAULT_EFFICIENCY, load as load_hardware
 from autopar.cost_models.step import Config, CostContext, StageModel, uniform_assignment
 from bench.common import write
 
@@ -117,14 +117,14 @@ def fit(pairs, hw_names) -> dict:
                     "collective": float(np.clip(x[2], 0.05, 1.0))}
 
         def loss(x):
-            e = {hwn: effs(x)}
+            e = {hwn: {**DEFAULT_EFFICIENCY, **effs(x)}}
             errs = [abs(math.log(predict(spec, e)[0] / row["published"])) for row, spec in sub]
             return statistics.median(errs) + 0.1 * statistics.mean(errs)
 
         best = min((loss([a, b, 0.75]), a, b) for a in (0.3, 0.45, 0.6, 0.75) for b in (0.2, 0.4, 0.6))
         res = minimize(loss, [best[1], best[2], 0.75], method="Nelder-Mead",
                        options={"xatol": 1e-3, "fatol": 1e-5, "maxiter": 300})
-        eff[hwn] = effs(res.x)
+        eff[hwn] = {**DEFAULT_EFFICIENCY, **effs(res.x)}
     return eff
 
 
@@ -136,7 +136,7 @@ def main() -> int:
             spec["seq"] = row["seq"]
             pairs.append((row, spec))
     hw_names = sorted({s["hardware"] for _, s in pairs})
-    default = {}
+    default = {h: dict(DEFAULT_EFFICIENCY) for h in hw_names}  # data sheet only, no calibration
     eff_all = fit(pairs, hw_names)
     groups = sorted({r["group"] for r, _ in pairs})
     loo = {}
