@@ -10,8 +10,9 @@ __version__ = "0.1.0"
 from autopar.api import estimate_plan, plan, profile_model  # noqa: E402
 from autopar.errors import AutoparError, InfeasibleError, PlanMismatchError, TraceError  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
+from autopar.runtime import ParallelModule, compile  # noqa: E402,A004
 
 __all__ = [
-    "plan", "estimate_plan", "profile_model", "Plan", "AutoparError", "InfeasibleError",
+    "plan", "compile", "ParallelModule", "estimate_plan", "profile_model", "Plan", "AutoparError", "InfeasibleError",
     "PlanMismatchError", "TraceError", "__version__",
 ]

@@ -276,20 +276,27 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         return seen
 
     def is_fused(lin: str) -> bool:
-        # Output split along the feature dim (split/chunk, or several slices) before any reshape
-        # into heads: a fused projection whose contiguous column shards would mix q, k and v.
+        # A fused projection (QKV in one matmul) splits its output's feature dim into several
+        # tensors before any reshape into heads; contiguous column shards of it would mix q, k, v.
+        out_f = linears[lin].out_features
         frontier, slices = [lin], 0
         for _ in range(4):
             nxt = []
             for x in frontier:
                 for u in g.successors(x):
                     un = nodes[u]
-                    name = op_name(un.target) if un.op == "call_function" else ""
-                    if name in ("split", "split_with_sizes", "chunk", "unbind"):
-                        return True
-                    if name == "slice":
-                        slices += 1
-                    elif name in ("view", "_unsafe_view", "reshape"):
+                    if un.op != "call_function":
+                        continue
+                    name = op_name(un.target)
+                    v = _val(un)
+                    if name in ("split", "split_with_sizes", "chunk", "unbind", "slice"):
+                        dim = un.args[1] if len(un.args) > 1 else un.kwargs.get("dim", 0)
+                        src = _val(un.args[0])
+                        if src is not None and isinstance(dim, int) and dim % src.dim() == src.dim() - 1:
+                            if name != "slice":
+                                return True
+                            slices += 1
+                    elif name in ("view", "_unsafe_view", "reshape") and v is not None and v.shape[-1] == out_f:
                         nxt.append(u)
             frontier = nxt
         return slices >= 2

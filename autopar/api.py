@@ -191,11 +191,7 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
             layers.append(LayerPlan(fqns[i], r, chunk, acs[i]))
             i += 1
     del seq
-    rules = []
-    for b in m.blocks:
-        for l in b.linears:
-            style = {"column": "colwise", "row": "rowwise"}.get(l.role, "replicate")
-            rules.append(ShardRule(b.cls_name, l.weight, style if cfg.tp > 1 else "replicate"))
+    rules = shard_rules(m)
     runners = tuple(
         {"config": r.config.short(), "ac": _ac_text(r), **_summary(ctx, r), "why_lost": why_lost(e, r)}
         for r in runners_up
@@ -209,6 +205,37 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
         runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,
     )
+
+
+def shard_rules(m: analysis.ModelProfile) -> tuple[ShardRule, ...]:
+    """TP styles per module, from the analysis (roles of linears, norms, vocabulary dims)."""
+    rules = []
+    for b in m.blocks:
+        linear_mods = {}
+        for l in b.linears:
+            mod = l.weight.rsplit(".", 1)[0]
+            linear_mods[mod] = {"column": "colwise", "row": "rowwise"}.get(l.role, "replicate")
+        rules += [ShardRule(b.cls_name, mod, st) for mod, st in linear_mods.items()]
+        norms = sorted({n.rsplit(".", 1)[0] for n, shp in b.param_shapes.items() if len(shp) == 1} - set(linear_mods))
+        rules += [ShardRule(b.cls_name, mod, "sequence") for mod in norms]
+    for name, shape in m.outside_params.items():
+        mod = name.rsplit(".", 1)[0]
+        mtype = m.module_types.get(mod, "")
+        if mtype == "Embedding" and shape[0] == m.vocab:
+            style = "vocab_embedding"
+        elif mtype == "Linear" and shape[0] == m.vocab:
+            style = "vocab_head"
+        elif len(shape) == 1 and mtype != "Linear":
+            style = "sequence"
+        else:
+            style = "replicate"
+        if not any(r.scope == "outside" and r.module == mod for r in rules):
+            rules.append(ShardRule("outside", mod, style))
+    for a, b_ in m.tied:  # a tied head shares the embedding's weight: it follows the embedding
+        mod = b_.rsplit(".", 1)[0]
+        if m.module_types.get(mod) == "Linear":
+            rules.append(ShardRule("outside", mod, "replicate"))
+    return tuple(rules)
 
 
 def _ac_text(e: Estimate) -> str:

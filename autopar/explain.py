@@ -88,12 +88,14 @@ def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
         t.add_row(name, str(n), str(stage), str(chunk), ac)
     con.print(t)
 
-    t = Table(title="tensor-parallel sharding (per block class)")
-    for c in ("scope", "parameter", "style"):
-        t.add_column(c)
-    for r in p.shard_rules:
-        t.add_row(r.scope, r.param, r.style)
-    con.print(t)
+    if p.tp > 1:
+        t = Table(title=f"tensor-parallel sharding (TP {p.tp}" + (" + SP)" if p.sp else ")"))
+        for c in ("scope", "module", "style"):
+            t.add_column(c)
+        for r in p.shard_rules:
+            if r.style != "sequence" or p.sp:
+                t.add_row(r.scope, r.module, r.style)
+        con.print(t)
 
     t = Table(title="step time breakdown")
     t.add_column("component")

@@ -229,7 +229,7 @@ PRESETS: dict[str, Any] = {
     "llama2-13b": _llama(5120, 40, 40, 40, 13824, vocab=32000, seq=4096, theta=10000.0),
     "llama2-70b": _llama(8192, 80, 64, 8, 28672, vocab=32000, seq=4096, theta=10000.0),
     # Small shapes for tests and CPU demos.
-    "llama-tiny": _llama(64, 4, 4, 2, 160, vocab=256, seq=64, theta=10000.0),
+    "llama-tiny": _llama(64, 4, 8, 4, 160, vocab=256, seq=64, theta=10000.0),
     "llama-small": _llama(256, 8, 8, 4, 688, vocab=1024, seq=256, theta=10000.0),
     "gpt-tiny": GPTConfig(64, 4, 4, 256, 64),
     **{k: GPTConfig(h, n, a, 51200, 2048) for k, (h, a, n) in _GPT_TABLE.items()},

@@ -26,13 +26,21 @@ class LayerPlan:
     ac: str  # none | selective | full
 
 
+SHARD_STYLES = ("colwise", "rowwise", "sequence", "vocab_embedding", "vocab_head", "replicate")
+
+
 @dataclass(frozen=True)
 class ShardRule:
-    """How one parameter of a repeated block (or of the embedding/head) is split under TP."""
+    """How one module of a repeated block (or outside the blocks) is split under TP.
+
+    ``colwise``/``rowwise``: Megatron column/row linear; ``sequence``: a norm whose activations
+    are split along the sequence under SP; ``vocab_embedding``/``vocab_head``: split along the
+    vocabulary; ``replicate``: left whole.
+    """
 
     scope: str  # block class name, or "outside"
-    param: str  # parameter name within the scope
-    style: str  # colwise | rowwise | vocab | replicate
+    module: str  # module path within the scope (within the model for "outside")
+    style: str
 
 
 @dataclass(frozen=True)

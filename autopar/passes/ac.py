@@ -1,0 +1,45 @@
+"""Activation checkpointing per layer, as the plan says: ``full`` recomputes the whole block in
+backward; ``selective`` saves the outputs of matmuls and attention kernels and recomputes the rest
+(op-level selective AC, as torchtitan). The block's ``forward`` is wrapped in place, so parameter
+names (and state_dict keys) do not change and the user wraps nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autopar.passes import PassContext
+
+_aten = torch.ops.aten
+SAVE_OPS = {
+    _aten.mm.default, _aten.addmm.default, _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: nn.Module, mode: str) -> None:
+    inner = block.forward
+    if mode == "full":
+        block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
+    else:
+        ctx_fn = functools.partial(create_selective_checkpoint_contexts, _policy)
+        block.forward = functools.partial(checkpoint, inner, use_reentrant=False, context_fn=ctx_fn)
+
+
+def apply_ac(model: nn.Module, ctx: PassContext) -> nn.Module:
+    mods = dict(model.named_modules())
+    for layer in ctx.plan.layers:
+        if layer.ac == "none" or layer.fqn not in mods:
+            continue
+        _wrap(mods[layer.fqn], layer.ac)
+        ctx.record("ac", f"{layer.fqn}: {layer.ac} checkpoint")
+    return model

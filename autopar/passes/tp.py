@@ -1,0 +1,71 @@
+"""Tensor and sequence parallelism: DTensor styles per the plan's shard rules.
+
+Without SP the residual stream is replicated: a column linear takes a replicated input and
+keeps its output sharded by heads/features; the row linear all-reduces. With SP the residual
+stream is split along the sequence: column linears all-gather their input, row linears
+reduce-scatter their output, norms run on sequence shards (``SequenceParallel``), the vocabulary
+embedding reduce-scatters and the vocabulary head all-gathers its logits.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+
+from autopar.errors import AutoparError
+from autopar.passes import PassContext
+
+
+def tp_styles(model: nn.Module, ctx: PassContext) -> dict:
+    plan = ctx.plan
+    seq = Shard(1) if plan.sp else Replicate()
+    by_scope: dict[str, list] = {}
+    for r in plan.shard_rules:
+        by_scope.setdefault(r.scope, []).append(r)
+    styles = {}
+
+    def style(rule):
+        if rule.style == "colwise":
+            return ColwiseParallel(input_layouts=seq)
+        if rule.style == "rowwise":
+            return RowwiseParallel(output_layouts=seq)
+        if rule.style == "sequence":
+            return SequenceParallel() if plan.sp else None
+        if rule.style == "vocab_embedding":
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        if rule.style == "vocab_head":
+            return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        return None
+
+    mods = dict(model.named_modules())
+    for layer in plan.layers:
+        block = mods.get(layer.fqn)
+        if block is None:
+            continue  # not on this pipeline stage
+        for rule in by_scope.get(type(block).__name__, []):
+            st = style(rule)
+            if st is not None:
+                styles[f"{layer.fqn}.{rule.module}"] = st
+    for rule in by_scope.get("outside", []):
+        st = style(rule)
+        if st is not None and rule.module in mods:
+            styles[rule.module] = st
+    for name in styles:
+        m = mods[name]
+        if isinstance(styles[name], (ColwiseParallel, RowwiseParallel)) and not isinstance(m, (nn.Linear, nn.Embedding)):
+            raise AutoparError(f"TP style for {name} needs nn.Linear or nn.Embedding, found {type(m).__name__}")
+    return styles
+
+
+def apply_tp(model: nn.Module, ctx: PassContext) -> nn.Module:
+    if ctx.plan.tp == 1:
+        return model
+    tp_mesh = ctx.mesh["tp"]
+    styles = tp_styles(model, ctx)
+    parallelize_module(model, tp_mesh, styles)
+    for name, st in styles.items():
+        ctx.record("tp", f"{name}: {type(st).__name__} over tp={ctx.plan.tp}")
+    return model

@@ -1,0 +1,227 @@
+"""Runtime: ``autopar.compile`` returns a ``ParallelModule`` that trains across the mesh.
+
+``step(ids, target)`` runs forward and backward of one global batch: every rank passes the same
+global batch; each data-parallel rank takes its slice, splits it into the plan's microbatches and
+accumulates gradients (the loss of each microbatch scaled by 1/M, so the gradient is the gradient
+of the mean loss, as in one process). The returned loss is the mean over microbatches and data
+ranks, the same float on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar import api, explain as explain_mod
+from autopar.capture import default_loss
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.passes import PassContext, run_passes
+from autopar.passes.ac import apply_ac
+from autopar.passes.fsdp import apply_fsdp
+from autopar.passes.inductor import apply_compile
+from autopar.passes.tp import apply_tp
+from autopar.plan import MESH_DIMS, Plan
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise the default process group from torchrun's or SLURM's environment."""
+    if dist.is_initialized():
+        return
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env.setdefault("RANK", env["SLURM_PROCID"])
+        env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        env.setdefault("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
+        env.setdefault("MASTER_PORT", "29500")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend)
+
+
+def _world(mesh: Any) -> tuple[int, str]:
+    if hasattr(mesh, "device_type"):
+        return mesh.size(), mesh.device_type
+    if not isinstance(mesh, int):
+        raise AutoparError(f"mesh must be a DeviceMesh or a world size, got {type(mesh).__name__}")
+    dev = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return mesh, dev
+
+
+def _resolve_plan(plan: Any, model: nn.Module, world: int, *, example_inputs, hardware, global_batch,
+                  memory_limit_gb, loss_fn, device: str) -> tuple[Plan, str]:
+    precision = "fp32" if next(model.parameters()).dtype == torch.float32 else "bf16"
+    hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
+    gb = global_batch or int(example_inputs[0].shape[0])
+    fingerprint = api.profile_model(model, example_inputs=example_inputs, precision=precision, loss_fn=loss_fn)
+    if isinstance(plan, Plan):
+        plan.check(model_fingerprint=fingerprint.profile.fingerprint, world_size=world)
+        return plan, fingerprint.profile.fingerprint
+    if isinstance(plan, str) and plan != "auto":
+        p = Plan.load(plan)
+        p.check(model_fingerprint=fingerprint.profile.fingerprint, world_size=world)
+        return p, fingerprint.profile.fingerprint
+    pins = plan if isinstance(plan, dict) else None
+    p = api.plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb, pin=pins,
+                 memory_limit_gb=memory_limit_gb, precision=precision, loss_fn=loss_fn, profiled=fingerprint)
+    return p, fingerprint.profile.fingerprint
+
+
+def compile(
+    model: nn.Module, mesh: Any, *, example_inputs: tuple, loss_fn: Callable | None = None,
+    plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
+    memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (),
+) -> "ParallelModule":
+    """Plan (or take a plan) and apply it: returns a module that trains across ``mesh``."""
+    world, device = _world(mesh)
+    if dist.is_initialized() and world != dist.get_world_size():
+        raise AutoparError(f"the mesh has {world} ranks but the process group has {dist.get_world_size()}; "
+                           "pass a mesh over the whole world")
+    if not dist.is_initialized() and world != 1:
+        raise AutoparError(f"a world of {world} needs torch.distributed initialised (torchrun, or autopar.runtime.init_distributed())")
+    if not isinstance(example_inputs, tuple) or not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
+        raise AutoparError("example_inputs must be a tuple whose first item is a (batch, seq) tensor of token ids")
+    ids = example_inputs[0]
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
+    p, fp = _resolve_plan(plan, model, world, example_inputs=example_inputs, hardware=hardware,
+                          global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
+    if p.seq_len != ids.shape[1]:
+        raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
+    dmesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
+    if p.pp > 1:
+        raise AutoparError("pipeline-parallel plans are not executed yet; pin pp=1 (issue 3 leaves PP open)")
+    ctx = PassContext(dmesh, p, compile=compile, disabled=set(disable_passes))
+    if device == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    module = run_passes(model, ctx, [("tp", apply_tp), ("ac", apply_ac), ("compile", apply_compile), ("fsdp", apply_fsdp)])
+    return ParallelModule(module, p, dmesh, loss_fn or default_loss, ctx)
+
+
+class ParallelModule:
+    """The parallel model. A plain optimizer over ``parameters()`` trains it."""
+
+    def __init__(self, module: nn.Module, plan: Plan, mesh, loss_fn: Callable, ctx: PassContext):
+        self.module, self.plan, self.mesh, self.loss_fn, self._ctx = module, plan, mesh, loss_fn, ctx
+        if mesh is not None:
+            self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
+            self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if plan.dp > 1 else None
+        else:
+            self._dp_rank, self._dp_group = 0, None
+
+    # -- nn.Module-like surface --------------------------------------------------------------
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def state_dict(self):
+        return self.module.state_dict()
+
+    def load_state_dict(self, sd, strict: bool = True):
+        return self.module.load_state_dict(sd, strict=strict)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def explain(self, graph: bool = False) -> str:
+        text = explain_mod.render(self.plan)
+        if graph:
+            lines = ["", "passes applied (what each inserted):"]
+            for name, items in self._ctx.provenance.items():
+                lines += [f"  [{name}] {x}" for x in items]
+            text += "\n".join(lines) + "\n"
+        return text
+
+    # -- training ----------------------------------------------------------------------------
+    def step(self, ids: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one global batch; returns the mean loss (same on every rank)."""
+        plan = self.plan
+        B = ids.shape[0]
+        if B % (plan.dp * plan.mb):
+            raise AutoparError(
+                f"a batch of {B} sequences cannot be split over dp={plan.dp} ranks into microbatches "
+                f"of {plan.mb}; use a multiple of {plan.dp * plan.mb}"
+            )
+        if target is None:
+            raise AutoparError("step() needs target= (the labels for the loss)")
+        local = B // plan.dp
+        sl = slice(self._dp_rank * local, (self._dp_rank + 1) * local)
+        ids_l, tgt_l = ids[sl], target[sl]
+        M = local // plan.mb
+        total = torch.zeros((), dtype=torch.float32, device=ids.device)
+        for i in range(M):
+            mb = slice(i * plan.mb, (i + 1) * plan.mb)
+            loss = self.loss_fn(self.module(ids_l[mb]), tgt_l[mb])
+            (loss / M).backward()
+            total += loss.detach().float()
+        loss = total / M
+        if plan.dp > 1:
+            if not plan.fsdp:
+                self._allreduce_grads()
+            dist.all_reduce(loss, group=self._dp_group)
+            loss /= plan.dp
+        return loss
+
+    def _allreduce_grads(self) -> None:
+        """Replicated data parallelism: average gradients over the data-parallel ranks, bucketed."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        locs = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        for dtype in sorted({g.dtype for g in locs}, key=str):
+            group = [g for g in locs if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in group])
+            dist.all_reduce(flat, group=self._dp_group)
+            flat /= self.plan.dp
+            off = 0
+            for g in group:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm over every shard (TP, FSDP) of every parameter."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        groups: dict[tuple, torch.Tensor] = {}
+        plain = torch.zeros((), dtype=torch.float32)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for g in grads:
+            if isinstance(g, DTensor):
+                sq = g.to_local().float().pow(2).sum()
+                dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+                key = (id(g.device_mesh), dims)
+                groups[key] = groups.get(key, torch.zeros((), dtype=torch.float32, device=sq.device)) + sq
+                groups.setdefault(("mesh", key), g.device_mesh)
+            else:
+                plain = plain.to(g.device) + g.float().pow(2).sum()
+        total = plain
+        for key, sq in list(groups.items()):
+            if key[0] == "mesh":
+                continue
+            mesh = groups[("mesh", key)]
+            for d in key[1]:
+                dist.all_reduce(sq, group=mesh.get_group(d))
+            total = total + sq.to(total.device)
+        norm = total.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to((g.to_local() if isinstance(g, DTensor) else g).device))
+        return norm
