@@ -197,31 +197,38 @@ class ParallelModule:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm over every shard (TP, FSDP) of every parameter."""
-        from torch.distributed.tensor import DTensor, Shard
+        """Clip by the global gradient norm over every shard (TP, FSDP) of every parameter.
 
-        groups: dict[tuple, torch.Tensor] = {}
-        plain = torch.zeros((), dtype=torch.float32)
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        for g in grads:
+        Sum of squares per gradient: a shard's local sum, all-reduced over the mesh dims it is
+        sharded on (one all-reduce per group of gradients sharing mesh and dims); pending partial
+        sums (``Partial`` placements) are reduced first; replicated gradients count once.
+        """
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        sums: dict[tuple, list] = {}
+        for p in params:
+            g = p.grad
+            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+                p.grad = g
             if isinstance(g, DTensor):
-                sq = g.to_local().float().pow(2).sum()
-                dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+                dims = tuple(i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial()))  # Shard, _StridedShard
                 key = (id(g.device_mesh), dims)
-                groups[key] = groups.get(key, torch.zeros((), dtype=torch.float32, device=sq.device)) + sq
-                groups.setdefault(("mesh", key), g.device_mesh)
+                entry = sums.setdefault(key, [g.device_mesh, dims, 0.0])
+                entry[2] = entry[2] + g.to_local().float().pow(2).sum()
             else:
-                plain = plain.to(g.device) + g.float().pow(2).sum()
-        total = plain
-        for key, sq in list(groups.items()):
-            if key[0] == "mesh":
-                continue
-            mesh = groups[("mesh", key)]
-            for d in key[1]:
+                entry = sums.setdefault(("plain",), [None, (), 0.0])
+                entry[2] = entry[2] + g.float().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float32)
+        for mesh, dims, sq in sums.values():
+            sq = torch.as_tensor(sq, dtype=torch.float32)
+            for d in dims:
                 dist.all_reduce(sq, group=mesh.get_group(d))
-            total = total + sq.to(total.device)
+            total = total + sq.cpu()
         norm = total.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to((g.to_local() if isinstance(g, DTensor) else g).device))
+        coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        for p in params:
+            g = p.grad
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
         return norm

@@ -161,7 +161,8 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                         if dp > 1:
                             # HSDP shard groups span whole nodes (or are all of dp).
                             gpn = ctx.hw.gpus_per_node
-                            shards = [d for d in divisors(dp) if d > 1 and (d == dp or (d * tp) % gpn == 0)]
+                            shards = [d for d in divisors(dp) if d > 1 and
+                                      (d == dp or (d * tp) % gpn == 0 or pins.get("dp_shard") == d)]
                             fs_opts += [(True, d, r) for d in shards for r in (True, False)]
                         for fsdp, shard, reshard in fs_opts:
                             if "fsdp" in pins and fsdp != pins["fsdp"]:
@@ -322,11 +323,14 @@ def search(
     limit = ctx.limit_bytes
     configs = enumerate_configs(ctx, world, pins)
     if not configs:
+        if pins:
+            why = f"the pins {pins} exclude every configuration of {world} GPUs"
+        else:
+            why = f"no mesh of {world} GPUs fits the model's layers and heads"
         raise AutoparError(
-            f"no configuration of {world} GPUs satisfies the pins {pins or '{}'} with a global batch of "
-            f"{ctx.global_batch} sequences (every data-parallel rank needs whole microbatches, and a "
-            f"pipeline of pp stages needs at least pp of them); relax a pin or use a global batch that "
-            f"is a multiple of {max(1, world // 8)}"
+            f"{why} with a global batch of {ctx.global_batch} sequences (each data-parallel rank needs "
+            "whole microbatches, a pipeline of pp stages at least pp of them, interleaving a multiple "
+            "of pp); relax a pin or change the global batch"
         )
     cands: list[Candidate] = []
     cache: dict = {}
