@@ -30,7 +30,7 @@ def build(kind: str) -> torch.nn.Module:
         import transformers
 
         cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
                                        max_position_embeddings=64, use_cache=False)
         cfg._attn_implementation = "sdpa"
         return transformers.LlamaForCausalLM(cfg)

@@ -24,6 +24,7 @@ REF_CASES = [
 HF_CASES = [
     {"name": "hf_fsdp4", "model": "hf-llama", "plan": {"dp": 4, "fsdp": 1, "pp": 1}},
     {"name": "hf_tp4", "model": "hf-llama", "plan": {"tp": 4, "sp": 0, "pp": 1}},
+    {"name": "hf_tp2_sp", "model": "hf-llama", "plan": {"tp": 2, "sp": 1, "dp": 2, "fsdp": 0, "pp": 1}},
     {"name": "hf_fsdp2_tp2_ac", "model": "hf-llama", "plan": {"tp": 2, "sp": 0, "dp": 2, "fsdp": 1, "ac": "full", "pp": 1}},
 ]
 

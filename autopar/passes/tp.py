@@ -9,8 +9,9 @@ embedding reduce-scatters and the vocabulary head all-gathers its logits.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
 )
@@ -35,7 +36,9 @@ def tp_styles(model: nn.Module, ctx: PassContext) -> dict:
         if rule.style == "sequence":
             return SequenceParallel() if plan.sp else None
         if rule.style == "vocab_embedding":
-            return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+            # Whole output even under SP: models derive positions and masks from it (HF does);
+            # the residual stream is split along the sequence at the first block instead.
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if rule.style == "vocab_head":
             return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
         return None
@@ -60,6 +63,22 @@ def tp_styles(model: nn.Module, ctx: PassContext) -> dict:
     return styles
 
 
+def _shard_sequence_hook(tp_mesh):
+    """Forward pre-hook: the block's hidden-state input (first tensor argument) goes from whole to
+    split along the sequence (dim 1). Through DTensor, so backward all-gathers its gradient."""
+
+    def hook(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], DTensor):
+            h = DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False)
+            return (h.redistribute(tp_mesh, [Shard(1)]).to_local(), *args[1:]), kwargs
+        if "hidden_states" in kwargs and not isinstance(kwargs["hidden_states"], DTensor):
+            h = DTensor.from_local(kwargs["hidden_states"], tp_mesh, [Replicate()], run_check=False)
+            return args, {**kwargs, "hidden_states": h.redistribute(tp_mesh, [Shard(1)]).to_local()}
+        return None
+
+    return hook
+
+
 def apply_tp(model: nn.Module, ctx: PassContext) -> nn.Module:
     if ctx.plan.tp == 1:
         return model
@@ -68,4 +87,10 @@ def apply_tp(model: nn.Module, ctx: PassContext) -> nn.Module:
     parallelize_module(model, tp_mesh, styles)
     for name, st in styles.items():
         ctx.record("tp", f"{name}: {type(st).__name__} over tp={ctx.plan.tp}")
+    if ctx.plan.sp:
+        mods = dict(model.named_modules())
+        first = next((l.fqn for l in ctx.plan.layers if l.fqn in mods), None)
+        if first is not None:
+            mods[first].register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
+            ctx.record("tp", f"{first}: residual stream split along the sequence (SP) at its input")
     return model
