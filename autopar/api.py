@@ -158,7 +158,7 @@ def estimate_plan(
 def why_lost(winner: Estimate, other: Estimate) -> str:
     """The components on which ``other`` pays most over ``winner``."""
     deltas = {k: other.breakdown.get(k, 0.0) - winner.breakdown.get(k, 0.0) for k in winner.breakdown}
-    worst = sorted(((v, k) for k, v in deltas.items() if v > 0), reverse=True)[:2]
+    worst = sorted(((v, k) for k, v in deltas.items() if v > 5e-4), reverse=True)[:2]
     pct = (other.step_time_s / winner.step_time_s - 1) * 100
     parts = ", ".join(f"{k.replace('_', ' ')} +{v * 1e3:.0f} ms" for v, k in worst)
     return f"{pct:+.1f}% step time" + (f" ({parts})" if parts else "")
