@@ -95,6 +95,18 @@ class BlockProfile:
     kv_heads: int | None
     head_dim: int | None
     quadratic_attention: bool
+    # One entry per column/row pair group: (module whose input is gathered once for all its
+    # column linears, or None when each column linear gathers its own input; columns; row).
+    tp_groups: list = field(default_factory=list)
+
+    @property
+    def gathers(self) -> int:
+        """Input gathers per layer under TP: one per group with a common module, else per column."""
+        return sum(1 if g[0] is not None else len(g[1]) for g in self.tp_groups)
+
+    @property
+    def rows(self) -> int:
+        return len(self.tp_groups)
 
     @property
     def count(self) -> int:
@@ -443,6 +455,25 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         "full": (0.0, hidden_bytes),
     }
 
+    tp_groups = []
+    for l in linears.values():
+        if l.role != "row":
+            continue
+        cols = [p.rsplit(".", 1)[0] for p in l.partners]
+        row = l.weight.rsplit(".", 1)[0]
+        parts = [m.split(".") for m in cols + [row]]
+        common = []
+        for level in zip(*parts):
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        lca = ".".join(common)
+        # The common parent must be a proper submodule that contains only this group.
+        tp_groups.append((lca if lca and lca not in cols + [row] else None, cols, row))
+    # Two groups sharing one parent (attention and MLP in one module) cannot gather once each.
+    parents = [g[0] for g in tp_groups if g[0] is not None]
+    tp_groups = [(g[0] if parents.count(g[0]) == 1 else None, g[1], g[2]) for g in tp_groups]
+
     tp_weights = set()
     for l in linears.values():
         if l.role in ("column", "row"):
@@ -455,7 +486,7 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         cls_name=bt.cls_name, fqns=bt.fqns, linears=list(linears.values()), costs=costs,
         params_tp=params_tp, params_rep=params_all - params_tp, param_shapes=bt.param_shapes,
         saved=saved, hidden_bytes=hidden_bytes, tp_divisors=tp_div, heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, quadratic_attention=quad_attn,
+        kv_heads=kv_heads, head_dim=head_dim, quadratic_attention=quad_attn, tp_groups=tp_groups,
     )
 
 

@@ -26,14 +26,15 @@ class LayerPlan:
     ac: str  # none | selective | full
 
 
-SHARD_STYLES = ("colwise", "rowwise", "sequence", "vocab_embedding", "vocab_head", "replicate")
+SHARD_STYLES = ("colwise", "rowwise", "tp_input", "sequence", "vocab_embedding", "vocab_head", "replicate")
 
 
 @dataclass(frozen=True)
 class ShardRule:
     """How one module of a repeated block (or outside the blocks) is split under TP.
 
-    ``colwise``/``rowwise``: Megatron column/row linear; ``sequence``: a norm whose activations
+    ``colwise``/``rowwise``: Megatron column/row linear; ``tp_input``: the module holding a group of
+    column linears, whose input is gathered (replicated) once for all of them; ``sequence``: a norm whose activations
     are split along the sequence under SP; ``vocab_embedding``/``vocab_head``: split along the
     vocabulary; ``replicate``: left whole.
     """

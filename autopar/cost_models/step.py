@@ -188,14 +188,13 @@ class StageModel:
         tp, mb, sp = cfg.tp, cfg.mb, cfg.sp
         ct = self._times(b.costs, mb, tp, sp, ctx.fp8)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
-        n_rows = sum(1 for l in b.linears if l.role == "row")
-        act_msg = mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes
-        tp_one = 0.0
-        if tp > 1 and n_rows:
-            kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-            tp_one = n_rows * sum(collective_time(hw, k, act_msg, self.g_tp) for k in kinds)
-            if ctx.async_tp:
-                tp_one *= 0.3
+        tp_fwd = tp_bwd = 0.0
+        for kind, nbytes, n_fwd, n_bwd, _ in tp_layer_collectives(b, cfg, ctx):
+            t = collective_time(hw, kind, nbytes, self.g_tp)
+            tp_fwd += n_fwd * t
+            tp_bwd += n_bwd * t
+        if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
+            tp_fwd, tp_bwd = tp_fwd * 0.3, tp_bwd * 0.3
         p_local = b.params_tp / tp + b.params_rep
         ag = rs = 0.0
         if cfg.fsdp and cfg.dp_shard > 1:
@@ -206,7 +205,7 @@ class StageModel:
         time, parts, act = {}, {}, {}
         seq_div = tp if sp else 1
         for ac in AC_MODES:
-            comm_tp = tp_one * (3 if ac == "full" else 2)
+            comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1)
             fsdp_fwd = max(0.0, ag - ct.fwd)
             fsdp_bwd = max(0.0, (ag if cfg.reshard else 0.0) + rs - ct.bwd - rec[ac])
             parts[ac] = {
@@ -256,8 +255,6 @@ class StageModel:
     def _outer(self):
         ctx, cfg, hw, m = self.ctx, self.cfg, self.ctx.hw, self.ctx.model
         tp, mb = cfg.tp, cfg.mb
-        act_msg = mb * m.seq_len * m.hidden * ctx.act_bytes
-        tp_ar = collective_time(hw, "all_reduce", act_msg, self.g_tp) if tp > 1 else 0.0
         self.outer = {}
         for name, prof in (("pre", m.pre), ("post", m.post)):
             ct = self._times(prof.costs, mb, tp, cfg.sp, False)
@@ -267,10 +264,12 @@ class StageModel:
                 ag = collective_time(hw, "all_gather", p_local * ctx.act_bytes, self.g_shard)
                 rs = collective_time(hw, "reduce_scatter", p_local * 4, self.g_shard)
             fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
+            tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
+                       for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
             saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
             self.outer[name] = {
-                "time": ct.fwd + ct.bwd + tp_ar * 2 + fsdp,
-                "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_ar * 2, "fsdp_comm": fsdp},
+                "time": ct.fwd + ct.bwd + tp_t + fsdp,
+                "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_t, "fsdp_comm": fsdp},
                 "static": self._state_bytes(p_local),
                 "working": p_local * ctx.act_bytes,
                 "act": saved,
@@ -412,15 +411,17 @@ class StageModel:
         n = max(a.layers)
         n_full = max(x[2] for x in a.ac)
         act_msg = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes
-        n_rows = sum(1 for l in m.blocks[0].linears if l.role == "row") if m.blocks else 0
-        if cfg.tp > 1 and n_rows:
-            per = n_rows * (2 * n + n_full) * M
-            kinds = ("all_gather", "reduce_scatter") if cfg.sp else ("all_reduce",)
-            for k in kinds:
-                out.append({"kind": k, "group": "tp", "group_size": cfg.tp, "bytes": act_msg,
-                            "count": per, "why": "tensor-parallel block boundaries"})
-            out.append({"kind": "all_reduce", "group": "tp", "group_size": cfg.tp, "bytes": act_msg,
-                        "count": 2 * M, "why": "vocab-parallel embedding and head"})
+        if cfg.tp > 1 and m.blocks:
+            for kind, nbytes, nf, nb, why in tp_layer_collectives(m.blocks[0], cfg, ctx):
+                count = (nf * (n + n_full) + nb * n) * M
+                if count:
+                    out.append({"kind": kind, "group": "tp", "group_size": cfg.tp, "bytes": nbytes,
+                                "count": count, "why": why})
+            for name, on in (("pre", True), ("post", True)):
+                for kind, nbytes, nf, nb, why in tp_outer_collectives(name, cfg, ctx):
+                    if nf + nb:
+                        out.append({"kind": kind, "group": "tp", "group_size": cfg.tp, "bytes": nbytes,
+                                    "count": (nf + nb) * M, "why": why})
         if cfg.fsdp and cfg.dp_shard > 1:
             p = self.coeffs.working_param
             ag_count = n * M * (2 if cfg.reshard else 1)
@@ -441,6 +442,43 @@ class StageModel:
             out.append({"kind": "send_recv", "group": "pp", "group_size": cfg.pp, "bytes": hid,
                         "count": 2 * M * cfg.v, "why": "pipeline activations and gradients"})
         return out
+
+
+def tp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
+    """What the TP pass inserts per layer and microbatch: (kind, bytes, forward count, backward
+    count, why). A group's input is gathered once (or once per column linear without a common
+    parent module); its row linear reduces once. Without SP: all-reduce forward at rows, backward
+    at gathers. With SP: all-gather/reduce-scatter in place of each, mirrored in backward."""
+    if cfg.tp == 1 or not b.rows:
+        return []
+    msg = cfg.mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes
+    g, r = b.gathers, b.rows
+    if not cfg.sp:
+        return [("all_reduce", msg, r, g, "TP row outputs (fwd), column inputs' gradients (bwd)")]
+    return [
+        ("all_gather", msg, g, r, "SP: column inputs (fwd), row outputs' gradients (bwd)"),
+        ("reduce_scatter", msg, r, g, "SP: row outputs (fwd), column inputs' gradients (bwd)"),
+    ]
+
+
+def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tuple]:
+    """TP collectives of the vocabulary-parallel embedding ("pre") and head ("post")."""
+    if cfg.tp == 1:
+        return []
+    m = ctx.model
+    msg = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes
+    if segment == "pre":
+        out = [("all_reduce", msg, 1, 0, "vocab-parallel embedding output")]
+        if cfg.sp:  # the residual stream splits at the first block: its gradient is gathered
+            out.append(("all_gather", msg, 0, 1, "SP: residual stream gradient at the first block"))
+        return out
+    logits = cfg.mb * m.seq_len * m.vocab * ctx.act_bytes
+    out = [("all_gather", logits, 1, 0, "vocab-parallel head: logits gathered for the loss")]
+    if cfg.sp:
+        out += [("all_gather", msg, 1, 0, "SP: head input"), ("reduce_scatter", msg, 0, 1, "SP: head input gradient")]
+    else:
+        out.append(("all_reduce", msg, 0, 1, "vocab-parallel head: input gradient"))
+    return out
 
 
 def uniform_assignment(sm: StageModel, ac: str) -> Assignment:

@@ -48,8 +48,13 @@ def tp_styles(model: nn.Module, ctx: PassContext) -> dict:
         block = mods.get(layer.fqn)
         if block is None:
             continue  # not on this pipeline stage
-        for rule in by_scope.get(type(block).__name__, []):
-            st = style(rule)
+        rules = by_scope.get(type(block).__name__, [])
+        gathered = [r.module + "." for r in rules if r.style == "tp_input"]
+        for rule in rules:
+            if rule.style == "colwise" and any(rule.module.startswith(g) for g in gathered):
+                st = ColwiseParallel(input_layouts=Replicate())  # its parent gathered the input
+            else:
+                st = style(rule)
             if st is not None:
                 styles[f"{layer.fqn}.{rule.module}"] = st
     for rule in by_scope.get("outside", []):
@@ -63,18 +68,45 @@ def tp_styles(model: nn.Module, ctx: PassContext) -> dict:
     return styles
 
 
+def _first_tensor(args, kwargs, fn):
+    """Apply ``fn`` to a module's hidden-state input: its first positional tensor, or the
+    ``hidden_states`` keyword (HuggingFace passes it by name)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    return None
+
+
+def _gather_input_hook(tp_mesh, sp: bool):
+    """Forward pre-hook on a group's parent module: its input becomes a replicated DTensor once,
+    so its column linears need no collective each; their input gradients (partial sums) add up
+    in DTensor form and reduce once at this boundary in backward."""
+
+    def to_replicated(x):
+        if isinstance(x, DTensor):  # e.g. a SequenceParallel norm's output, Shard(1)
+            return x.redistribute(tp_mesh, [Replicate()])
+        if sp:
+            return DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()])
+        return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+
+    def hook(module, args, kwargs):
+        return _first_tensor(args, kwargs, to_replicated)
+
+    return hook
+
+
 def _shard_sequence_hook(tp_mesh):
     """Forward pre-hook: the block's hidden-state input (first tensor argument) goes from whole to
     split along the sequence (dim 1). Through DTensor, so backward all-gathers its gradient."""
 
+    def split(x):
+        if isinstance(x, DTensor):
+            return x.redistribute(tp_mesh, [Shard(1)]).to_local()
+        return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)]).to_local()
+
     def hook(module, args, kwargs):
-        if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], DTensor):
-            h = DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False)
-            return (h.redistribute(tp_mesh, [Shard(1)]).to_local(), *args[1:]), kwargs
-        if "hidden_states" in kwargs and not isinstance(kwargs["hidden_states"], DTensor):
-            h = DTensor.from_local(kwargs["hidden_states"], tp_mesh, [Replicate()], run_check=False)
-            return args, {**kwargs, "hidden_states": h.redistribute(tp_mesh, [Shard(1)]).to_local()}
-        return None
+        return _first_tensor(args, kwargs, split)
 
     return hook
 
@@ -87,8 +119,17 @@ def apply_tp(model: nn.Module, ctx: PassContext) -> nn.Module:
     parallelize_module(model, tp_mesh, styles)
     for name, st in styles.items():
         ctx.record("tp", f"{name}: {type(st).__name__} over tp={ctx.plan.tp}")
+    mods = dict(model.named_modules())
+    by_cls = {}
+    for r in ctx.plan.shard_rules:
+        if r.style == "tp_input":
+            by_cls.setdefault(r.scope, []).append(r.module)
+    for layer in ctx.plan.layers:
+        block = mods.get(layer.fqn)
+        for sub in by_cls.get(type(block).__name__, []) if block is not None else []:
+            mods[f"{layer.fqn}.{sub}"].register_forward_pre_hook(_gather_input_hook(tp_mesh, ctx.plan.sp), with_kwargs=True)
+            ctx.record("tp", f"{layer.fqn}.{sub}: input " + ("all-gathered" if ctx.plan.sp else "replicated") + " once for its column linears")
     if ctx.plan.sp:
-        mods = dict(model.named_modules())
         first = next((l.fqn for l in ctx.plan.layers if l.fqn in mods), None)
         if first is not None:
             mods[first].register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
