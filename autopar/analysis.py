@@ -147,6 +147,7 @@ class ModelProfile:
     tied: list[tuple[str, str]] = field(default_factory=list)
     module_types: dict[str, str] = field(default_factory=dict)
     outside_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    outside_segments: dict[str, str] = field(default_factory=dict)  # module -> "pre" | "post"
     _layer_seq: list | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -542,6 +543,8 @@ def analyze(trace: ModelTrace) -> ModelProfile:
         blocks=blocks, pre=pre, post=post, block_container=trace.block_container,
         n_params=n_params, tied=trace.tied, module_types=trace.module_types,
         outside_params={n: shape for n, (shape, owner) in trace.params.items() if owner == "outside"},
+        outside_segments={n.rsplit(".", 1)[0]: ("pre" if _is_before_blocks(n, trace) else "post")
+                          for n, (_, owner) in trace.params.items() if owner == "outside"},
     )
 
 

@@ -181,16 +181,8 @@ def _summary(ctx: CostContext, e: Estimate) -> dict:
 
 def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up=()) -> Plan:
     m, cfg, a = ctx.model, e.config, e.assignment
-    seq = m.layer_sequence()
     fqns = [f for _, f in sorted((analysis.fqn_index(f), f) for b in m.blocks for f in b.fqns)]
-    acs = a.per_layer_ac()
-    layers, i = [], 0
-    for r, n in enumerate(a.layers):
-        for j in range(n):
-            chunk = min(cfg.v - 1, j * cfg.v // max(1, n))
-            layers.append(LayerPlan(fqns[i], r, chunk, acs[i]))
-            i += 1
-    del seq
+    layers = [LayerPlan(f, r, c, ac) for f, (r, c, ac) in zip(fqns, layer_placement(a, cfg.pp, cfg.v))]
     rules = shard_rules(m)
     runners = tuple(
         {"config": r.config.short(), "ac": _ac_text(r), **_summary(ctx, r), "why_lost": why_lost(e, r)}
@@ -204,7 +196,23 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         schedule=cfg.schedule if cfg.pp > 1 else "none", v=cfg.v, layers=tuple(layers),
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
         runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,
+        outer_modules=tuple((mod, seg, m.module_types.get(mod, "")) for mod, seg in m.outside_segments.items()),
     )
+
+
+def layer_placement(a, pp: int, v: int) -> list[tuple[int, int, str]]:
+    """(rank, chunk, ac) of every layer in model order. Rank ``r`` holds ``a.layers[r]`` layers in
+    ``v`` chunks; pipeline stage ``s = chunk * pp + rank`` (loop order, as interleaved 1F1B runs
+    them), so model order walks stage 0, 1, ... Within a rank the fully checkpointed layers come
+    first (their activations live longest), then selective, then none."""
+    chunks = [[n // v + (1 if c < n % v else 0) for c in range(v)] for n in a.layers]
+    modes = [["full"] * f + ["selective"] * s + ["none"] * k for (k, s, f) in a.ac]
+    out = []
+    for stage in range(pp * v):
+        r, c = stage % pp, stage // pp
+        start = sum(chunks[r][:c])
+        out += [(r, c, modes[r][start + j]) for j in range(chunks[r][c])]
+    return out
 
 
 def shard_rules(m: analysis.ModelProfile) -> tuple[ShardRule, ...]:

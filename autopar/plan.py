@@ -71,6 +71,8 @@ class Plan:
     runners_up: tuple[dict, ...] = ()
     pins: dict = field(default_factory=dict)
     block_container: str = ""
+    # Modules with parameters outside the blocks: (module, "pre" | "post", class name).
+    outer_modules: tuple = ()
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------
@@ -121,6 +123,7 @@ class Plan:
             d["shard_rules"] = tuple(ShardRule(**x) for x in d["shard_rules"])
             d["collectives"] = tuple(d["collectives"])
             d["runners_up"] = tuple(d.get("runners_up", ()))
+            d["outer_modules"] = tuple(tuple(x) for x in d.get("outer_modules", ()))
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise AutoparError(f"plan JSON is missing or has unknown fields: {e}") from e

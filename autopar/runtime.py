@@ -24,6 +24,7 @@ from autopar.passes import PassContext, run_passes
 from autopar.passes.ac import apply_ac
 from autopar.passes.fsdp import apply_fsdp
 from autopar.passes.inductor import apply_compile
+from autopar.passes.pp import split_stages
 from autopar.passes.tp import apply_tp
 from autopar.plan import MESH_DIMS, Plan
 
@@ -99,20 +100,33 @@ def compile(
         from torch.distributed.device_mesh import init_device_mesh
 
         dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
-    if p.pp > 1:
-        raise AutoparError("pipeline-parallel plans are not executed yet; pin pp=1 (issue 3 leaves PP open)")
     ctx = PassContext(dmesh, p, compile=compile, disabled=set(disable_passes))
     if device == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    module = run_passes(model, ctx, [("tp", apply_tp), ("ac", apply_ac), ("compile", apply_compile), ("fsdp", apply_fsdp)])
-    return ParallelModule(module, p, dmesh, loss_fn or default_loss, ctx)
+    passes = [("tp", apply_tp), ("ac", apply_ac), ("compile", apply_compile), ("fsdp", apply_fsdp)]
+    if p.pp == 1:
+        return ParallelModule([run_passes(model, ctx, passes)], p, dmesh, loss_fn or default_loss, ctx)
+    stages = split_stages(model, p, dmesh.get_local_rank("pp"))
+    for idx, _ in stages:
+        ctx.record("pp", f"stage {idx} of {p.pp * p.v} on pp rank {dmesh.get_local_rank('pp')}")
+    modules = [run_passes(m, ctx, passes) for _, m in stages]
+    pm = ParallelModule(modules, p, dmesh, loss_fn or default_loss, ctx)
+    pm._stage_ids = [idx for idx, _ in stages]
+    return pm
 
 
 class ParallelModule:
-    """The parallel model. A plain optimizer over ``parameters()`` trains it."""
+    """The parallel model. A plain optimizer over ``parameters()`` trains it.
 
-    def __init__(self, module: nn.Module, plan: Plan, mesh, loss_fn: Callable, ctx: PassContext):
-        self.module, self.plan, self.mesh, self.loss_fn, self._ctx = module, plan, mesh, loss_fn, ctx
+    ``modules`` holds one module, or under pipeline parallelism this rank's stage modules (one per
+    virtual stage); their parameters keep the original names.
+    """
+
+    def __init__(self, modules: list[nn.Module], plan: Plan, mesh, loss_fn: Callable, ctx: PassContext):
+        self.modules, self.plan, self.mesh, self.loss_fn, self._ctx = modules, plan, mesh, loss_fn, ctx
+        self.module = modules[0]
+        self._stage_ids: list[int] = []
+        self._schedules: dict[int, Any] = {}
         if mesh is not None:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
             self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if plan.dp > 1 else None
@@ -121,25 +135,43 @@ class ParallelModule:
 
     # -- nn.Module-like surface --------------------------------------------------------------
     def parameters(self):
-        return self.module.parameters()
+        for m in self.modules:
+            yield from m.parameters()
 
     def named_parameters(self):
-        return self.module.named_parameters()
+        for m in self.modules:
+            yield from m.named_parameters()
 
     def state_dict(self):
-        return self.module.state_dict()
+        """Sharded state (DTensors under TP/FSDP), keyed by the original parameter names; under
+        pipeline parallelism, the entries of this rank's stages."""
+        out = {}
+        for m in self.modules:
+            out.update(m.state_dict())
+        return out
 
     def load_state_dict(self, sd, strict: bool = True):
-        return self.module.load_state_dict(sd, strict=strict)
+        if len(self.modules) == 1:
+            return self.module.load_state_dict(sd, strict=strict)
+        for m in self.modules:
+            mine = {k: v for k, v in sd.items() if k in m.state_dict()}
+            m.load_state_dict(mine, strict=False)
+        return None
 
     def train(self, mode: bool = True):
-        self.module.train(mode)
+        for m in self.modules:
+            m.train(mode)
         return self
 
     def eval(self):
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
+        if self.plan.pp > 1:
+            raise AutoparError(
+                "a forward-only call is not available under a pipeline plan (the model is split "
+                f"over {self.plan.pp} ranks); use step() for training, or a plan with pp=1"
+            )
         return self.module(*args, **kwargs)
 
     def explain(self, graph: bool = False) -> str:
@@ -167,13 +199,16 @@ class ParallelModule:
         sl = slice(self._dp_rank * local, (self._dp_rank + 1) * local)
         ids_l, tgt_l = ids[sl], target[sl]
         M = local // plan.mb
-        total = torch.zeros((), dtype=torch.float32, device=ids.device)
-        for i in range(M):
-            mb = slice(i * plan.mb, (i + 1) * plan.mb)
-            loss = self.loss_fn(self.module(ids_l[mb]), tgt_l[mb])
-            (loss / M).backward()
-            total += loss.detach().float()
-        loss = total / M
+        if plan.pp > 1:
+            loss = self._pipeline_step(ids_l, tgt_l, M)
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=ids.device)
+            for i in range(M):
+                mb = slice(i * plan.mb, (i + 1) * plan.mb)
+                loss = self.loss_fn(self.module(ids_l[mb]), tgt_l[mb])
+                (loss / M).backward()
+                total += loss.detach().float()
+            loss = total / M
         if plan.dp > 1:
             if not plan.fsdp:
                 self._allreduce_grads()
@@ -181,9 +216,45 @@ class ParallelModule:
             loss /= plan.dp
         return loss
 
+    def _schedule(self, M: int):
+        """The pipelining schedule for M microbatches (built once per M)."""
+        if M not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+            plan = self.plan
+            if M < plan.pp or (plan.schedule == "interleaved" and M % plan.pp):
+                raise AutoparError(f"{M} microbatches do not fit the {plan.schedule} schedule over {plan.pp} stages")
+            device = next(self.modules[0].parameters()).device
+            group = self.mesh["pp"].get_group()
+            stages = [PipelineStage(m, idx, plan.pp * plan.v, device, group=group)
+                      for idx, m in zip(self._stage_ids, self.modules)]
+
+            def loss_fn(out, tgt):
+                return self.loss_fn(out, tgt)
+
+            if plan.schedule == "interleaved":
+                sched = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=loss_fn)
+            else:
+                cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
+                sched = cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
+            self._schedules[M] = sched
+        return self._schedules[M]
+
+    def _pipeline_step(self, ids: torch.Tensor, target: torch.Tensor, M: int) -> torch.Tensor:
+        plan = self.plan
+        sched = self._schedule(M)
+        n_stages = plan.pp * plan.v
+        args = (ids,) if 0 in self._stage_ids else ()
+        losses: list = []
+        kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stage_ids else {}
+        sched.step(*args, **kwargs)
+        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=ids.device)
+        dist.all_reduce(loss, group=self.mesh["pp"].get_group())  # only the last stage contributes
+        return loss
+
     def _allreduce_grads(self) -> None:
         """Replicated data parallelism: average gradients over the data-parallel ranks, bucketed."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
         locs = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         for dtype in sorted({g.dtype for g in locs}, key=str):
             group = [g for g in locs if g.dtype == dtype]
@@ -205,7 +276,7 @@ class ParallelModule:
         """
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.parameters() if p.grad is not None]
         sums: dict[tuple, list] = {}
         for p in params:
             g = p.grad
@@ -226,6 +297,10 @@ class ParallelModule:
             for d in dims:
                 dist.all_reduce(sq, group=mesh.get_group(d))
             total = total + sq.cpu()
+        if self.plan.pp > 1:  # each pipeline rank holds other parameters
+            total = total.to(next(self.modules[0].parameters()).device)
+            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+            total = total.cpu()
         norm = total.sqrt()
         coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
         for p in params:

@@ -75,6 +75,7 @@ def run_case(world: int, case: dict) -> dict:
             out["grad_max_diff"] = max(diffs.values())
             out["worst_param"] = max(diffs, key=diffs.get)
             out["n_params"] = len(diffs)
+            out["param_names"] = sorted(diffs)
             out["n_ref_params"] = len(ref_g)
             if case.get("clip"):
                 norm = pm.clip_grad_norm_(1e-3)

@@ -21,6 +21,17 @@ REF_CASES = [
     {"name": "fsdp2_tp2", "plan": {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}, "clip": True},
     {"name": "auto4", "plan": {"pp": 1}},
 ]
+PP4_CASES = [
+    {"name": "pp2_tp2", "plan": {"pp": 2, "tp": 2, "sp": 1, "schedule": "1f1b", "mb": 2, "dp": 1}, "clip": True},
+    {"name": "pp2_fsdp2", "plan": {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "1f1b", "mb": 1}},
+    {"name": "hf_pp2_ddp2", "model": "hf-llama", "plan": {"pp": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "1f1b", "mb": 1}},
+]
+PP2_CASES = [
+    {"name": "pp2_gpipe", "plan": {"pp": 2, "schedule": "gpipe", "mb": 2, "dp": 1, "tp": 1}},
+    {"name": "pp2_1f1b", "plan": {"pp": 2, "schedule": "1f1b", "mb": 2, "dp": 1, "tp": 1}, "clip": True},
+    {"name": "pp2_interleaved_v2", "plan": {"pp": 2, "schedule": "interleaved", "v": 2, "mb": 2, "dp": 1, "tp": 1}},
+    {"name": "pp2_ac_selective", "plan": {"pp": 2, "schedule": "1f1b", "mb": 2, "dp": 1, "tp": 1, "ac": "selective"}},
+]
 HF_CASES = [
     {"name": "hf_fsdp4", "model": "hf-llama", "plan": {"dp": 4, "fsdp": 1, "pp": 1}},
     {"name": "hf_tp4", "model": "hf-llama", "plan": {"tp": 4, "sp": 0, "pp": 1}},
@@ -38,7 +49,8 @@ def check(results, cases):
         got = dict(kv.split("=") for kv in r["plan"].split(","))
         for k, v in want.items():
             assert got.get(k) == str(int(v) if isinstance(v, bool) else v) or k in ("dp_shard",), (r["name"], k, got)
-        assert r["n_params"] == r["n_ref_params"]
+        if "pp" not in r["plan"] or "pp=1," in r["plan"]:
+            assert r["n_params"] == r["n_ref_params"]
         assert r["grad_max_diff"] < GRAD_TOL, f"{r['name']}: {r['worst_param']} differs by {r['grad_max_diff']}"
         assert r["losses"][0] == pytest.approx(r["ref_losses"][0], abs=LOSS_TOL)
         for a, b in zip(r["losses"][1:], r["ref_losses"][1:]):
@@ -49,17 +61,38 @@ def check(results, cases):
 
 @pytest.fixture(scope="module")
 def world4_results():
-    return dist_harness.run(4, REF_CASES + HF_CASES)
+    return dist_harness.run(4, REF_CASES + HF_CASES + PP4_CASES)
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in REF_CASES + HF_CASES])
+def _covers_model(per_rank):
+    """Under PP each rank holds its stages' parameters; together they are the whole model."""
+    names = set().union(*(r["param_names"] for r in per_rank))
+    assert len(names) == per_rank[0]["n_ref_params"]
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in REF_CASES + HF_CASES + PP4_CASES])
 def test_parity_world4(world4_results, name):
-    cases = REF_CASES + HF_CASES
+    cases = REF_CASES + HF_CASES + PP4_CASES
     i = [c["name"] for c in cases].index(name)
     per_rank = [res[i] for res in world4_results]
     check(per_rank, [cases[i]] * len(per_rank))
     # Every rank reports the same loss.
     assert len({tuple(r["losses"]) for r in per_rank}) == 1
+    _covers_model(per_rank)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in PP2_CASES])
+def test_parity_pipeline_world2(world2_pp_results, name):
+    i = [c["name"] for c in PP2_CASES].index(name)
+    per_rank = [res[i] for res in world2_pp_results]
+    check(per_rank, [PP2_CASES[i]] * 2)
+    assert len({tuple(r["losses"]) for r in per_rank}) == 1
+    _covers_model(per_rank)
+
+
+@pytest.fixture(scope="module")
+def world2_pp_results():
+    return dist_harness.run(2, PP2_CASES)
 
 
 def test_parity_world2_auto_and_tp2():

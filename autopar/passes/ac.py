@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.passes import PassContext
+from autopar.passes.pp import is_real_block
 
 _aten = torch.ops.aten
 SAVE_OPS = {
@@ -38,7 +39,7 @@ def _wrap(block: nn.Module, mode: str) -> None:
 def apply_ac(model: nn.Module, ctx: PassContext) -> nn.Module:
     mods = dict(model.named_modules())
     for layer in ctx.plan.layers:
-        if layer.ac == "none" or layer.fqn not in mods:
+        if layer.ac == "none" or layer.fqn not in mods or not is_real_block(mods[layer.fqn]):
             continue
         _wrap(mods[layer.fqn], layer.ac)
         ctx.record("ac", f"{layer.fqn}: {layer.ac} checkpoint")

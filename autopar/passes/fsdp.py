@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from autopar.passes import PassContext
+from autopar.passes.pp import is_real_block
 
 
 def apply_fsdp(model: nn.Module, ctx: PassContext) -> nn.Module:
@@ -32,7 +33,7 @@ def apply_fsdp(model: nn.Module, ctx: PassContext) -> nn.Module:
         kw["mp_policy"] = mp
     mods = dict(model.named_modules())
     for layer in plan.layers:
-        if layer.fqn in mods:
+        if layer.fqn in mods and is_real_block(mods[layer.fqn]):
             fully_shard(mods[layer.fqn], reshard_after_forward=plan.reshard_after_forward, **kw)
             ctx.record("fsdp", f"{layer.fqn}: fully_shard over {tuple(mesh.mesh.shape)}")
     fully_shard(model, reshard_after_forward=plan.reshard_after_forward, **kw)

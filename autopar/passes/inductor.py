@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autopar.passes import PassContext
+from autopar.passes.pp import is_real_block
 
 
 def apply_compile(model: nn.Module, ctx: PassContext) -> nn.Module:
@@ -22,7 +23,7 @@ def apply_compile(model: nn.Module, ctx: PassContext) -> nn.Module:
         return model
     mods = dict(model.named_modules())
     for layer in plan.layers:
-        if layer.fqn in mods:
+        if layer.fqn in mods and is_real_block(mods[layer.fqn]):
             mods[layer.fqn].compile()
             ctx.record("compile", f"{layer.fqn}: compiled by Inductor")
     return model

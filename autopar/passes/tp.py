@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 
 from autopar.errors import AutoparError
 from autopar.passes import PassContext
+from autopar.passes.pp import is_real_block
 
 
 def tp_styles(model: nn.Module, ctx: PassContext) -> dict:
@@ -59,7 +60,7 @@ def tp_styles(model: nn.Module, ctx: PassContext) -> dict:
                 styles[f"{layer.fqn}.{rule.module}"] = st
     for rule in by_scope.get("outside", []):
         st = style(rule)
-        if st is not None and rule.module in mods:
+        if st is not None and rule.module in mods and is_real_block(mods[rule.module]):
             styles[rule.module] = st
     for name in styles:
         m = mods[name]
@@ -130,7 +131,8 @@ def apply_tp(model: nn.Module, ctx: PassContext) -> nn.Module:
             mods[f"{layer.fqn}.{sub}"].register_forward_pre_hook(_gather_input_hook(tp_mesh, ctx.plan.sp), with_kwargs=True)
             ctx.record("tp", f"{layer.fqn}.{sub}: input " + ("all-gathered" if ctx.plan.sp else "replicated") + " once for its column linears")
     if ctx.plan.sp:
-        first = next((l.fqn for l in ctx.plan.layers if l.fqn in mods), None)
+        first = ctx.plan.layers[0].fqn if ctx.plan.layers[0].fqn in mods else None
+        first = first if first is not None and is_real_block(mods[first]) else None  # stage 0 only
         if first is not None:
             mods[first].register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
             ctx.record("tp", f"{first}: residual stream split along the sequence (SP) at its input")

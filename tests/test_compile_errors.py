@@ -1,0 +1,109 @@
+"""Bad input to autopar.compile: a clear error and nothing changed."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import AutoparError, PlanMismatchError
+from tests.dist_harness import batch, build
+
+
+def _params(m):
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def model_and_plan(tmp_path_factory):
+    m = build("llama-tiny")
+    ids, _ = batch(1)
+    p = autopar.plan(m, 1, example_inputs=(ids,), hardware="cpu", global_batch=8, pin="mb=2")
+    path = tmp_path_factory.mktemp("plans") / "p.json"
+    p.save(str(path))
+    return m, p, str(path)
+
+
+def test_world_without_process_group():
+    m = build("llama-tiny")
+    ids, _ = batch(1)
+    with pytest.raises(AutoparError, match="needs torch.distributed initialised"):
+        autopar.compile(m, 4, example_inputs=(ids,))
+
+
+def test_plan_for_another_model(model_and_plan):
+    _, p, _ = model_and_plan
+    other = build("llama-small")
+    ids = torch.randint(0, 1024, (8, 32))
+    before = _params(other)
+    with pytest.raises(PlanMismatchError, match="made for model"):
+        autopar.compile(other, 1, example_inputs=(ids,), plan=p)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_plan_for_another_mesh(model_and_plan, tmp_path):
+    m, p, _ = model_and_plan
+    d = json.loads(p.to_json())
+    d["world_size"] = 8
+    path = tmp_path / "p8.json"
+    path.write_text(json.dumps(d))
+    ids, _ = batch(1)
+    with pytest.raises(PlanMismatchError, match="for 8 GPUs"):
+        autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=str(path))
+
+
+def test_plan_json_that_does_not_parse(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{oops")
+    ids, _ = batch(1)
+    with pytest.raises(AutoparError, match="not valid JSON"):
+        autopar.compile(build("llama-tiny"), 1, example_inputs=(ids,), plan=str(path))
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ((torch.randn(8, 32),), "2-D integer tensor of token ids"),
+    ((torch.randint(0, 256, (8,)),), "2-D integer tensor"),
+    ([torch.randint(0, 256, (8, 32))], "must be a tuple"),
+])
+def test_bad_example_inputs(bad, msg):
+    with pytest.raises(AutoparError, match=msg):
+        autopar.compile(build("llama-tiny"), 1, example_inputs=bad)
+
+
+def test_seq_len_differs_from_plan(model_and_plan):
+    m, _, path = model_and_plan
+    ids = torch.randint(0, 256, (8, 16))
+    with pytest.raises(AutoparError):
+        autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path)
+
+
+def test_step_batch_not_divisible(model_and_plan):
+    m, _, path = model_and_plan
+    ids, tgt = batch(1)
+    pm = autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path, compile=False)
+    with pytest.raises(AutoparError, match=r"batch of 3 sequences cannot be split over dp=1 ranks into microbatches of 2; use a multiple of 2"):
+        pm.step(torch.randint(0, 256, (3, 32)), target=tgt[:3])
+    with pytest.raises(AutoparError, match="needs target="):
+        pm.step(ids)
+
+
+def test_untraceable_model_names_the_line():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            h = self.emb(x)
+            if h.mean() > 0:  # data-dependent branch
+                h = -h
+            for l in self.layers:
+                h = l(h)
+            return h
+
+    from autopar.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"test_compile_errors.py:\d+: if h.mean\(\) > 0"):
+        autopar.compile(Bad(), 1, example_inputs=(torch.randint(0, 16, (2, 4)),))
