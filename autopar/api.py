@@ -130,6 +130,25 @@ def plan(
     return p
 
 
+def plan_candidates(
+    model: Any, world_size_or_mesh: Any, *, k: int = 4, example_inputs: tuple | None = None,
+    hardware: str | dict | Hardware = "h100", global_batch: int | None = None, pin: str | dict | None = None,
+    memory_limit_gb: float | None = None, precision: str | None = None, seq_len: int | None = None,
+    loss_fn: Callable | None = None,
+) -> list[Plan]:
+    """The planner's best plan and runners-up (distinct shapes) as Plans, best first: what
+    ``autopar tune plans`` measures."""
+    world = _world(world_size_or_mesh)
+    if precision is None:
+        precision = "fp32" if isinstance(model, nn.Module) and next(model.parameters()).dtype == torch.float32 else "bf16"
+    prof = profile_model(model, seq_len=seq_len, example_inputs=example_inputs, precision=precision, loss_fn=loss_fn)
+    ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
+                       precision=precision, memory_limit_gb=memory_limit_gb)
+    pins = search_mod.parse_pins(pin)
+    res = search_mod.search(ctx, world, pins=pins, top_k=max(0, k - 1), distinct="config")
+    return [to_plan(ctx, e, world, pins=pins) for e in [res.best, *res.runners_up]]
+
+
 def estimate_plan(
     model: Any, world: int, config: str | dict, *, hardware="h100", global_batch=None, precision="bf16",
     memory_limit_gb=None, seq_len=None, profiled: Profiled | None = None,

@@ -45,6 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("plan_file")
     sh.add_argument("--json", action="store_true")
 
+    tu = sub.add_parser("tune", help="measure this machine and candidate plans")
+    tsub = tu.add_subparsers(dest="tune_cmd", required=True)
+    ca = tsub.add_parser("calibrate", help="microbenchmarks -> a calibrated hardware profile JSON")
+    ca.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with GPUs, else gloo")
+    ca.add_argument("--nproc", type=int, default=2, help="local processes (GPUs)")
+    ca.add_argument("--base", default=None, help="profile to start from (default: h100 with GPUs, cpu-gloo without)")
+    ca.add_argument("--max-mb", type=int, default=None, help="largest collective message, MiB")
+    ca.add_argument("--reps", type=int, default=5)
+    ca.add_argument("-o", "--output", default="calibrated.json")
+    ca.add_argument("--plot", default=None, help="PNG of measured against fitted collective curves")
+    tp_ = tsub.add_parser("plans", help="run the planner's top plans for real and pick the fastest")
+    tp_.add_argument("model")
+    tp_.add_argument("--nproc", type=int, default=2)
+    tp_.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    tp_.add_argument("--hardware", default=None, help="profile used to rank the candidates (e.g. a calibrated one)")
+    tp_.add_argument("--seq-len", type=int, default=None)
+    tp_.add_argument("--global-batch", type=int, default=None)
+    tp_.add_argument("--memory-limit-gb", type=float, default=None)
+    tp_.add_argument("--top", type=int, default=4)
+    tp_.add_argument("--steps", type=int, default=3)
+    tp_.add_argument("--db", default=None, help="SQLite file of measurements (default ~/.cache/autopar/measurements.sqlite)")
+    tp_.add_argument("--json", action="store_true")
+    tp_.add_argument("-o", "--output", default=None, help="save the chosen plan here")
+
     df = sub.add_parser("diff", help="differences between two saved plans")
     df.add_argument("a")
     df.add_argument("b")
@@ -82,6 +106,8 @@ def _run(args) -> int:
     from autopar import api, explain
     from autopar.plan import Plan
 
+    if args.cmd == "tune":
+        return _tune(args)
     if args.cmd == "diff":
         lines = Plan.load(args.a).diff(Plan.load(args.b))
         print("\n".join(lines) if lines else "plans are identical")
@@ -111,3 +137,44 @@ def _run(args) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _tune(args) -> int:
+    import torch
+
+    from autopar import explain, tune
+    from autopar.errors import AutoparError
+    from autopar.plan import Plan
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < args.nproc:
+        raise AutoparError(f"--nproc {args.nproc} needs {args.nproc} GPUs; {torch.cuda.device_count()} visible")
+    if args.tune_cmd == "calibrate":
+        base = args.base or ("h100" if backend == "nccl" else "cpu-gloo")
+        max_bytes = args.max_mb * (1 << 20) if args.max_mb else None
+        cal = tune.launch(args.nproc, backend, tune._calibrate_rank, base, max_bytes, args.reps)
+        with open(args.output, "w") as f:
+            json.dump(cal.profile, f, indent=1)
+        print(f"calibrated profile written to {args.output}: peak {cal.profile['peak_tflops']:.3g} TFLOP/s, "
+              f"matmul efficiency {cal.profile['efficiency']['matmul']:.2f}, memory "
+              f"{cal.profile['memory_bandwidth_gbps']:.1f} GB/s, per-op {cal.profile['launch_us']:.1f} us")
+        for kind, by_g in cal.profile["collectives"].items():
+            print("  " + kind + ": " + ", ".join(f"{g} ranks alpha {a:.1f} us beta {b:.2f} GB/s" for g, (a, b) in by_g.items()))
+        if args.plot and tune.plot(cal, args.plot):
+            print(f"plot written to {args.plot}")
+        return 0
+    kw = {"seq_len": args.seq_len, "global_batch": args.global_batch, "hardware": args.hardware,
+          "memory_limit_gb": args.memory_limit_gb}
+    rows = tune.launch(args.nproc, backend, tune._tune_rank, args.model, args.nproc, args.top, args.steps, kw, args.db)
+    best = Plan.from_json(rows[0]["plan_json"])
+    if args.output:
+        best.save(args.output)
+    if args.json:
+        print(json.dumps([{**{k: v for k, v in r.items() if k != "plan_json"},
+                           "plan": Plan.from_json(r["plan_json"]).as_config_string()} for r in rows], indent=1))
+    else:
+        print(explain.render_tuning(rows), end="")
+        reused = sum(r["reused"] for r in rows)
+        print(f"chosen: {best.as_config_string()} (measured fastest that fits); "
+              f"{reused} of {len(rows)} measurements reused from the database")
+    return 0

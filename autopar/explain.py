@@ -141,3 +141,19 @@ def _bytes(n: float) -> str:
         if n >= div:
             return f"{n / div:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def render_tuning(rows: list[dict], width: int = 110) -> str:
+    """Predicted against measured step time of the plans ``autopar tune`` ran."""
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    t = Table(title="tuning: predicted vs measured (fastest fitting plan first)")
+    for c in ("plan", "predicted s", "measured s", "measured/predicted", "peak GiB", "fits", "reused"):
+        t.add_column(c)
+    for r in rows:
+        p = r["plan"] if isinstance(r["plan"], Plan) else Plan.from_json(r["plan_json"])
+        t.add_row(p.as_config_string(), f"{r['predicted_s']:.4f}", f"{r['measured_s']:.4f}",
+                  f"{r['measured_s'] / r['predicted_s']:.2f}", f"{r['peak_memory_gb']:.3f}",
+                  "yes" if r["fits"] else "no", "yes" if r["reused"] else "")
+    con.print(t)
+    return buf.getvalue()

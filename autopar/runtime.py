@@ -78,8 +78,14 @@ def compile(
     model: nn.Module, mesh: Any, *, example_inputs: tuple, loss_fn: Callable | None = None,
     plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
     memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (),
+    tune: bool = False, tune_top: int = 4, tune_steps: int = 2, tune_db: str | None = None,
 ) -> "ParallelModule":
-    """Plan (or take a plan) and apply it: returns a module that trains across ``mesh``."""
+    """Plan (or take a plan) and apply it: returns a module that trains across ``mesh``.
+
+    ``tune=True`` measures the planner's top ``tune_top`` plans for ``tune_steps`` real steps on
+    copies of the model and applies the fastest one that fits (measurements cached in SQLite at
+    ``tune_db``); ``pm.tuning`` then holds predicted and measured times side by side.
+    """
     world, device = _world(mesh)
     if dist.is_initialized() and world != dist.get_world_size():
         raise AutoparError(f"the mesh has {world} ranks but the process group has {dist.get_world_size()}; "
@@ -91,6 +97,21 @@ def compile(
     ids = example_inputs[0]
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
+    tuning = None
+    if tune:
+        import copy
+
+        from autopar import tune as tune_mod
+
+        hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
+        cands = api.plan_candidates(model, world, k=tune_top, example_inputs=example_inputs, hardware=hw,
+                                    global_batch=global_batch or int(ids.shape[0]), memory_limit_gb=memory_limit_gb,
+                                    pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn)
+        db = tune_mod.MeasurementDB(tune_db) if (not dist.is_initialized() or dist.get_rank() == 0) else None
+        tuning = tune_mod.tune_plans(lambda: copy.deepcopy(model), cands, example_inputs,
+                                     hardware=api.load_hardware(hw).name, db=db, steps=tune_steps, loss_fn=loss_fn,
+                                     compile=compile, memory_limit_gb=memory_limit_gb)
+        plan = tuning[0]["plan"]
     p, fp = _resolve_plan(plan, model, world, example_inputs=example_inputs, hardware=hardware,
                           global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
     if p.seq_len != ids.shape[1]:
@@ -105,13 +126,16 @@ def compile(
         model.to(torch.device("cuda", torch.cuda.current_device()))
     passes = [("tp", apply_tp), ("ac", apply_ac), ("compile", apply_compile), ("fsdp", apply_fsdp)]
     if p.pp == 1:
-        return ParallelModule([run_passes(model, ctx, passes)], p, dmesh, loss_fn or default_loss, ctx)
+        pm = ParallelModule([run_passes(model, ctx, passes)], p, dmesh, loss_fn or default_loss, ctx)
+        pm.tuning = tuning
+        return pm
     stages = split_stages(model, p, dmesh.get_local_rank("pp"))
     for idx, _ in stages:
         ctx.record("pp", f"stage {idx} of {p.pp * p.v} on pp rank {dmesh.get_local_rank('pp')}")
     modules = [run_passes(m, ctx, passes) for _, m in stages]
     pm = ParallelModule(modules, p, dmesh, loss_fn or default_loss, ctx)
     pm._stage_ids = [idx for idx, _ in stages]
+    pm.tuning = tuning
     return pm
 
 
@@ -176,6 +200,8 @@ class ParallelModule:
 
     def explain(self, graph: bool = False) -> str:
         text = explain_mod.render(self.plan)
+        if getattr(self, "tuning", None):
+            text += explain_mod.render_tuning(self.tuning)
         if graph:
             lines = ["", "passes applied (what each inserted):"]
             for name, items in self._ctx.provenance.items():

@@ -322,8 +322,10 @@ def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
 
 def search(
     ctx: CostContext, world: int, *, pins: dict | None = None, top_k: int = 5,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, distinct: str = "shape",
 ) -> SearchResult:
+    """``distinct="shape"``: runners-up differ in (tp, pp, dp, fsdp, sp), for explaining;
+    ``"config"``: any configuration difference (microbatch, schedule, reshard...), for tuning."""
     t_start = time.perf_counter()
     pins = parse_pins(pins) if not isinstance(pins, dict) else dict(pins)
     check_pins(ctx, world, pins)
@@ -377,7 +379,7 @@ def search(
     by_shape: dict[tuple, Candidate] = {}
     for c in feasible:
         cfg = c.sm.cfg
-        shape = (cfg.tp, cfg.pp, cfg.dp, cfg.fsdp, cfg.sp)
+        shape = (cfg.tp, cfg.pp, cfg.dp, cfg.fsdp, cfg.sp) if distinct == "shape" else cfg.key()
         old = by_shape.get(shape)
         if old is None or (c.upper, cfg.key()) < (old.upper, old.sm.cfg.key()):
             by_shape[shape] = c

@@ -12,7 +12,8 @@ element-wise chains fuse, so only ``fusion`` (a profile factor) of their bytes r
 Scaling with the parallel configuration: a node's FLOPs and activation bytes grow with the
 microbatch ``mb``; nodes in the TP region divide by the TP degree ``t``; nodes in the sequence
 region divide by ``t`` only with sequence parallelism. Weight bytes divide by ``t`` in the TP
-region. Causal attention kernels skip half of the score blocks. Backward costs ``2x`` the
+region. Causal attention kernels skip half of the score blocks. A profile's ``launch_us`` adds a
+fixed cost per op (fused element-wise ops count ``fusion`` of one under Inductor). Backward costs ``2x`` the
 forward for matmuls and memory-bound ops and ``2.5x`` for fused attention (FlashAttention-2's
 backward recomputes the scores).
 """
@@ -56,6 +57,10 @@ def node_times(
     rate = np.where(costs.kind == KIND_MATMUL, mm_peak, peak * hw.eff("attention"))
     eff_flops = np.where(costs.causal, flops * 0.5, flops)
     t = np.maximum(eff_flops / rate, (act + wbytes) / (hw.memory_bandwidth_gbps * 1e9 * hw.eff("memory")))
+    if hw.launch_us:
+        # Eager runs every op; Inductor fuses the element-wise ones into few kernels.
+        per_op = hw.launch_us * 1e-6
+        t = t + (np.where(costs.kind == KIND_OTHER, per_op * hw.eff("fusion"), per_op) if compiled else per_op)
     bwd_f = np.select(
         [costs.kind == KIND_MATMUL, costs.kind == KIND_ATTN], [BWD_FACTOR[KIND_MATMUL], BWD_FACTOR[KIND_ATTN]],
         BWD_FACTOR[KIND_OTHER],

@@ -12,6 +12,8 @@ fits on a real machine:
 - ``collectives``: fitted alpha-beta pairs per collective and group size, which override the
   analytic ring model where present.
 - ``reserve_gb``: memory the framework holds beyond the model (context, workspace, fragmentation).
+- ``launch_us``: fixed time per executed op (framework dispatch and kernel launch); it matters for
+  small models and CPU runs, not for large GPU matmuls.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Hardware:
     latency_us: dict = field(default_factory=lambda: {"intra": 4.0, "inter": 12.0})
     collectives: dict = field(default_factory=dict)
     reserve_gb: float = 2.0
+    launch_us: float = 0.0  # fixed cost per executed op (eager dispatch, kernel launch)
     precision: str = "bf16"
     note: str = ""
 
