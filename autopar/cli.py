@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--pin", default=None, help="fix part of the plan: tp=8,pp=4,ac=full,...")
     ex.add_argument("--top", type=int, default=3, help="runners-up to show")
     ex.add_argument("-o", "--output", default=None, help="save the plan JSON here")
+    ex.add_argument("--graph", action="store_true", help="also print the first layer's rewritten graph with provenance")
 
     es = sub.add_parser("estimate", help="price a plan you give (a hand-written configuration)")
     _common(es)
@@ -126,6 +127,11 @@ def _run(args) -> int:
         p, _, _ = api.estimate_plan(args.model, args.gpus, args.plan, **common)
     if args.output:
         p.save(args.output)
+    if getattr(args, "graph", False) and not args.json:
+        from autopar import inspect_graph, models
+
+        src = models.resolve(args.model, seq_len=args.seq_len)
+        print(inspect_graph.rewritten_graph(src.build, p), end="")
     if args.json:
         print(json.dumps(explain.plan_json(p), indent=1))
     else:

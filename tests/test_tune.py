@@ -52,16 +52,17 @@ def test_tune_picks_measured_fastest_and_reuses(tmp_path):
     assert [r["measured_s"] for r in again.tuning] == [r["measured_s"] for r in rows]
 
 
-def test_calibrate_command_two_processes(tmp_path):
+def test_calibrate_command_four_processes(tmp_path):
     out = tmp_path / "cal.json"
     png = tmp_path / "cal.png"
-    r = subprocess.run([sys.executable, "-m", "autopar", "tune", "calibrate", "--nproc", "2", "--max-mb", "1",
+    r = subprocess.run([sys.executable, "-m", "autopar", "tune", "calibrate", "--nproc", "4", "--max-mb", "1",
                         "--reps", "2", "-o", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     prof = json.loads(out.read_text())
     hw = load_hardware(str(out))  # a profile the planner accepts
     assert hw.peak_tflops > 0 and hw.memory_bandwidth_gbps > 0 and hw.launch_us > 0
     for kind in tune.COLLECTIVES:
-        alpha, beta = prof["collectives"][kind]["2"]
-        assert alpha >= 0 and beta > 0
+        for g in (("2",) if kind == "send_recv" else ("2", "4")):
+            alpha, beta = prof["collectives"][kind][g]
+            assert alpha >= 0 and beta > 0
     assert png.exists() and png.stat().st_size > 1000

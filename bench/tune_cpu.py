@@ -1,0 +1,100 @@
+"""Cost model against measurement on this machine (CPU processes over gloo), before and after
+``autopar tune calibrate``: for 2 and 4 processes, a fixed set of at least 6 different plans of a
+small Llama is measured (eager, warm-up excluded) and predicted with the uncalibrated ``cpu-gloo``
+profile and with the calibrated one. Reported: median |predicted/measured - 1|, Spearman rank
+correlation, and whether the tuned choice is the measured fastest.
+
+Targets (issue 4): after calibration, median error <= 15% and Spearman >= 0.8.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from bench.common import write
+
+MODEL, SEQ, BATCH = "llama-small", 256, 8
+PLANS = {
+    2: ["dp=2,fsdp=1,pp=1", "dp=2,fsdp=0,pp=1", "tp=2,sp=0,pp=1", "tp=2,sp=1,pp=1", "pp=2,schedule=1f1b,mb=2",
+        "pp=2,schedule=gpipe,mb=1", "dp=2,fsdp=1,pp=1,ac=full", "pp=2,schedule=interleaved,v=2,mb=2"],
+    4: ["dp=4,fsdp=1,pp=1", "dp=4,fsdp=0,pp=1", "tp=4,sp=0,pp=1", "tp=4,sp=1,pp=1", "tp=2,dp=2,fsdp=1,sp=1,pp=1",
+        "pp=2,dp=2,fsdp=0,schedule=1f1b,mb=1", "pp=4,schedule=1f1b,mb=2", "tp=2,pp=2,sp=0,schedule=1f1b,mb=2"],
+}
+
+
+def _measure_rank(world: int, pins: list[str], steps: int):
+    from autopar import api, models, tune
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1024, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = []
+    for pin in pins:
+        plan = api.plan(models.build_preset(MODEL), world, example_inputs=(ids,), hardware="cpu-gloo",
+                        global_batch=BATCH, pin=pin + ("" if "ac=" in pin else ",ac=none"))
+        m = tune.measure_plan(lambda: models.build_preset(MODEL), plan, (ids,), steps=steps, compile=False)
+        out.append({"pin": pin, "plan": plan.to_json(), "measured_s": m["step_time_s"],
+                    "peak_memory_gb": m["peak_memory_gb"]})
+    return out
+
+
+def _predict(plan_json: str, profile) -> float:
+    from autopar import api
+    from autopar.cost_models.step import AC_MODES, Config, CostContext, StageModel
+    from autopar.plan import Plan
+
+    p = Plan.from_json(plan_json)
+    prof = api.profile_model(MODEL, seq_len=SEQ, precision="fp32")
+    ctx = CostContext(prof.profile, api.load_hardware(profile), BATCH, "fp32", compiled=False)
+    cfg = Config(p.tp, p.pp, p.dp, p.dp_shard, p.sp, p.fsdp, p.reshard_after_forward, p.mb,
+                 p.schedule if p.pp > 1 else "1f1b", p.v)
+    sm = StageModel(ctx, cfg)
+    from autopar.cost_models.step import uniform_assignment
+
+    return sm.evaluate(uniform_assignment(sm, p.layers[0].ac)).step_time_s
+
+
+def main(argv=None) -> int:
+    from autopar import tune
+
+    steps = 3
+    rows, summary = [], {}
+    for world in (2, 4):
+        cal = tune.launch(world, "gloo", tune._calibrate_rank, "cpu-gloo", 4 << 20, 3)
+        measured = tune.launch(world, "gloo", _measure_rank, world, PLANS[world], steps)
+        for r in measured:
+            r["world"] = world
+            r["before_s"] = _predict(r["plan"], "cpu-gloo")
+            r["after_s"] = _predict(r["plan"], cal.profile)
+            r["before_err"] = r["before_s"] / r["measured_s"] - 1
+            r["after_err"] = r["after_s"] / r["measured_s"] - 1
+            rows.append(r)
+        sub = [r for r in rows if r["world"] == world]
+        meas = [r["measured_s"] for r in sub]
+        for tag in ("before", "after"):
+            summary[f"world {world} median |error| {tag} calibration"] = (
+                f"{statistics.median(abs(r[f'{tag}_err']) for r in sub) * 100:.1f}%")
+            summary[f"world {world} Spearman {tag} calibration"] = f"{tune.spearman([r[f'{tag}_s'] for r in sub], meas):.2f}"
+        best_pred = min(sub, key=lambda r: r["after_s"])
+        best_meas = min(sub, key=lambda r: r["measured_s"])
+        summary[f"world {world} calibrated planner's pick is measured fastest"] = (
+            f"{best_pred['pin'] == best_meas['pin']} (pick {best_pred['pin']}, fastest {best_meas['pin']})")
+        summary[f"world {world} calibrated profile"] = json.dumps({k: cal.profile[k] for k in ("peak_tflops", "memory_bandwidth_gbps", "launch_us")})
+    for r in rows:
+        print(f"world {r['world']} {r['pin']:40s} measured {r['measured_s']:.3f}s  before {r['before_s']:.3f}s "
+              f"({r['before_err'] * 100:+.0f}%)  after {r['after_s']:.3f}s ({r['after_err'] * 100:+.0f}%)")
+    for k, v in summary.items():
+        print(f"{k}: {v}")
+    for r in rows:
+        r.pop("plan")
+    write("tune_cpu", rows, summary, ["world", "pin", "measured_s", "before_s", "before_err", "after_s", "after_err",
+                                      "peak_memory_gb"], "Predicted vs measured step time on CPU/gloo, before and after calibration")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
