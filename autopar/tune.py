@@ -138,9 +138,17 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     attn_rate = 4 * b_ * h_ * s_ * s_ * d_ * 0.5 / t
     points["attention"].append({"shape": [b_, h_, s_, d_], "tflops": attn_rate / 1e12})
     tick("attention")
-    x = torch.ones((64 << 20) // 4 if cuda else (32 << 20) // 4, device=device)
-    t = _timeit(lambda: x.add(1.0), reps, sync)
-    bw = 2 * x.numel() * 4 / t
+    # Element-wise bandwidth by size: the largest is memory; smaller ones may fit in a cache.
+    by_size = {}
+    for mb in ((1, 4, 16, 64, 256) if cuda else (0.25, 1, 4, 16, 64)):
+        x = torch.ones(int(mb * (1 << 20)) // 4, device=device)
+        t = _timeit(lambda: x.add(1.0), reps, sync)
+        by_size[mb] = 2 * x.numel() * 4 / t
+    bw = by_size[max(by_size)]
+    cache_bw = max(by_size.values())
+    cached = [mb for mb, b in by_size.items() if b >= (cache_bw + bw) / 2 and mb < max(by_size)]
+    cache_mb = 2 * max(cached) if cached and cache_bw > 1.5 * bw and not cuda else 0.0
+    points["memory_by_size"] = {str(k): v / 1e9 for k, v in by_size.items()}
     small = torch.ones(8, device=device)
     t_small = _timeit(lambda: [small.add(1.0) for _ in range(200)], reps, sync) / 200
     points["memory"].append({"gbps": bw / 1e9, "op_us": t_small * 1e6})
@@ -184,6 +192,7 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     prof.update(
         name=f"{hw.name}-calibrated", peak_tflops=peak / 1e12, memory_bandwidth_gbps=bw / 1e9,
         gpus_per_node=max(world, 1), collectives=fitted, launch_us=t_small * 1e6,
+        cache_mb=cache_mb, cache_bandwidth_gbps=cache_bw / 1e9 if cache_mb else 0.0,
         efficiency={**hw.efficiency, "matmul": min(1.0, best / peak), "attention": min(1.0, attn_rate / peak), "memory": 1.0},
         note=f"calibrated by autopar tune on {world} {'GPU' if cuda else 'CPU'} processes, torch {torch.__version__}",
     )

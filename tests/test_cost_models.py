@@ -121,3 +121,14 @@ def test_breakdown_sums_to_step_time(llama8b):
     assert sum(e.breakdown.values()) == pytest.approx(e.step_time_s)
     assert e.breakdown["bubble"] > 0 and e.breakdown["tp_comm"] > 0
     assert e.peak_memory_gb * GiB == pytest.approx(max(e.memory_bytes))
+
+
+def test_cache_bandwidth_for_small_ops():
+    costs = NodeCosts(
+        names=["small", "big"], flops=np.zeros(2), act_bytes=np.array([1e6, 1e9]), weight_bytes=np.zeros(2),
+        kind=np.array([KIND_OTHER, KIND_OTHER], dtype=np.int8), tp=np.array([False, False]),
+        causal=np.array([False, False]), recompute_selective=np.array([False, False]),
+    )
+    hw = load_hardware({**HW.to_dict(), "cache_mb": 4.0, "cache_bandwidth_gbps": 20000.0})
+    ct = node_times(costs, hw, mb=1, tp=1, sp=False, compiled=False)
+    assert ct.fwd == pytest.approx(1e6 / 20000e9 + 1e9 / 3350e9)

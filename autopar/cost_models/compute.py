@@ -56,7 +56,11 @@ def node_times(
     mm_peak = peak * hw.eff("matmul") * (2.0 if fp8 else 1.0)
     rate = np.where(costs.kind == KIND_MATMUL, mm_peak, peak * hw.eff("attention"))
     eff_flops = np.where(costs.causal, flops * 0.5, flops)
-    t = np.maximum(eff_flops / rate, (act + wbytes) / (hw.memory_bandwidth_gbps * 1e9 * hw.eff("memory")))
+    moved = act + wbytes
+    bw = hw.memory_bandwidth_gbps * 1e9 * hw.eff("memory")
+    if hw.cache_mb > 0 and hw.cache_bandwidth_gbps > 0:
+        bw = np.where(moved < hw.cache_mb * 2**20, hw.cache_bandwidth_gbps * 1e9 * hw.eff("memory"), bw)
+    t = np.maximum(eff_flops / rate, moved / bw)
     if hw.launch_us:
         # Eager runs every op; Inductor fuses the element-wise ones into few kernels.
         per_op = hw.launch_us * 1e-6

@@ -12,6 +12,9 @@ fits on a real machine:
 - ``collectives``: fitted alpha-beta pairs per collective and group size, which override the
   analytic ring model where present.
 - ``reserve_gb``: memory the framework holds beyond the model (context, workspace, fragmentation).
+- ``cache_mb``, ``cache_bandwidth_gbps``: ops that move less than ``cache_mb`` run at the cache's
+  bandwidth instead of the memory's (what calibration finds on CPUs, where small activations
+  stay in cache).
 - ``launch_us``: fixed time per executed op (framework dispatch and kernel launch); it matters for
   small models and CPU runs, not for large GPU matmuls.
 """
@@ -53,6 +56,8 @@ class Hardware:
     collectives: dict = field(default_factory=dict)
     reserve_gb: float = 2.0
     launch_us: float = 0.0  # fixed cost per executed op (eager dispatch, kernel launch)
+    cache_mb: float = 0.0  # ops moving less than this run at cache_bandwidth_gbps (0: off)
+    cache_bandwidth_gbps: float = 0.0
     precision: str = "bf16"
     note: str = ""
 
