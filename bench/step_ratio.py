@@ -107,7 +107,6 @@ def _peak_memory(fn) -> float:
 
 def _worker(rank, world, port, cfgs, steps, compile, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/autopar-inductor-cache")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import autopar
@@ -202,6 +201,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     compile = not args.no_compile
     torch.set_num_threads(2)
+    # One fresh Inductor cache per run, shared by the ranks: a cached graph from an earlier run can
+    # name process groups that do not exist in this one.
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
     rows = [single_process(args.steps)]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
