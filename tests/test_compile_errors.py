@@ -107,3 +107,23 @@ def test_untraceable_model_names_the_line():
 
     with pytest.raises(TraceError, match=r"test_compile_errors.py:\d+: if h.mean\(\) > 0"):
         autopar.compile(Bad(), 1, example_inputs=(torch.randint(0, 16, (2, 4)),))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_block_still_compiles(mode):
+    """AC wraps a block's forward; Inductor must still compile it (a partial ran eagerly)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from autopar.passes.ac import _wrap
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = build("llama-tiny")
+    blk = m.layers[0]
+    _wrap(blk, mode)
+    blk.compile()
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    blk(x, m.rope_cos[:64], m.rope_sin[:64]).sum().backward()
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert not counters["graph_break"]

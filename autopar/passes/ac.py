@@ -29,11 +29,14 @@ def _policy(ctx, op, *args, **kwargs):
 
 def _wrap(block: nn.Module, mode: str) -> None:
     inner = block.forward
-    if mode == "full":
-        block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
-    else:
-        ctx_fn = functools.partial(create_selective_checkpoint_contexts, _policy)
-        block.forward = functools.partial(checkpoint, inner, use_reentrant=False, context_fn=ctx_fn)
+    kw = {} if mode == "full" else {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy)}
+
+    # A plain function, not a functools.partial: Dynamo compiles through a function but silently
+    # runs a partial-of-checkpoint forward eagerly (no graph at all).
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kw, **kwargs)
+
+    block.forward = forward
 
 
 def apply_ac(model: nn.Module, ctx: PassContext) -> nn.Module:
