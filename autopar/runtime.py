@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from autopar import api, explain as explain_mod
@@ -238,8 +239,9 @@ class ParallelModule:
         if plan.dp > 1:
             if not plan.fsdp:
                 self._allreduce_grads()
-            dist.all_reduce(loss, group=self._dp_group)
-            loss /= plan.dp
+            # A functional collective: waited on only when the loss is read, so it overlaps with
+            # whatever the training loop does next (the optimizer step).
+            loss = funcol.all_reduce(loss / plan.dp, "sum", self._dp_group)
         return loss
 
     def _schedule(self, M: int):
@@ -275,8 +277,7 @@ class ParallelModule:
         kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stage_ids else {}
         sched.step(*args, **kwargs)
         loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=ids.device)
-        dist.all_reduce(loss, group=self.mesh["pp"].get_group())  # only the last stage contributes
-        return loss
+        return funcol.all_reduce(loss, "sum", self.mesh["pp"].get_group())  # only the last stage contributes
 
     def _allreduce_grads(self) -> None:
         """Replicated data parallelism: average gradients over the data-parallel ranks, bucketed."""

@@ -3,7 +3,8 @@
 Calibration (``autopar tune calibrate``), on every rank at once so that contention between the
 processes of one machine is part of what is measured:
 
-- matmul throughput (fp32 on CPU; bf16 and fp32 on GPUs) over square and skinny shapes;
+- matmul throughput (fp32 on CPU; bf16 on GPUs) over square and skinny shapes, sustained for
+  0.2 s per timing so that processes sharing cores contend as in training;
 - fused attention (``scaled_dot_product_attention``, causal) throughput;
 - memory bandwidth (a large element-wise op) and the fixed cost of one small op;
 - all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over every power-of-two group
@@ -53,6 +54,19 @@ def _timeit(fn: Callable, reps: int, sync: Callable = lambda: None, group=None) 
         sync()
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
+
+
+def _sustained(fn: Callable, reps: int, sync: Callable, seconds: float = 0.2) -> float:
+    """Seconds per call of ``fn`` over runs of at least ``seconds``: long enough that processes
+    sharing cores actually contend, as they do while training (short runs get serialised)."""
+    probe = _timeit(fn, 1, sync)
+    n = max(1, int(seconds / max(probe, 1e-6)))
+
+    def many():
+        for _ in range(n):
+            fn()
+
+    return _timeit(many, reps, sync) / n
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
@@ -127,14 +141,14 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     best = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-        t = _timeit(lambda: a @ b, reps, sync)
+        t = _sustained(lambda: a @ b, reps, sync)
         rate = 2 * m * k * n / t
         points["matmul"].append({"shape": [m, k, n], "tflops": rate / 1e12})
         best = max(best, rate)
     tick("matmul")
     b_, h_, s_, d_ = (4, 16, 2048, 128) if cuda else (2, 4, 256, 32)
     q = torch.randn(b_, h_, s_, d_, dtype=dtype, device=device)
-    t = _timeit(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), reps, sync)
+    t = _sustained(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), reps, sync)
     attn_rate = 4 * b_ * h_ * s_ * s_ * d_ * 0.5 / t
     points["attention"].append({"shape": [b_, h_, s_, d_], "tflops": attn_rate / 1e12})
     tick("attention")
@@ -142,7 +156,7 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     by_size = {}
     for mb in ((1, 4, 16, 64, 256) if cuda else (0.25, 1, 4, 16, 64)):
         x = torch.ones(int(mb * (1 << 20)) // 4, device=device)
-        t = _timeit(lambda: x.add(1.0), reps, sync)
+        t = _sustained(lambda: x.add(1.0), reps, sync)
         by_size[mb] = 2 * x.numel() * 4 / t
     bw = by_size[max(by_size)]
     cache_bw = max(by_size.values())
@@ -150,7 +164,7 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     cache_mb = 2 * max(cached) if cached and cache_bw > 1.5 * bw and not cuda else 0.0
     points["memory_by_size"] = {str(k): v / 1e9 for k, v in by_size.items()}
     small = torch.ones(8, device=device)
-    t_small = _timeit(lambda: [small.add(1.0) for _ in range(200)], reps, sync) / 200
+    t_small = _sustained(lambda: small.add(1.0), reps, sync)
     points["memory"].append({"gbps": bw / 1e9, "op_us": t_small * 1e6})
     tick("memory")
 
