@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from functools import reduce
 
 import networkx as nx
 import numpy as np
@@ -546,7 +545,3 @@ def analyze(trace: ModelTrace) -> ModelProfile:
         outside_segments={n.rsplit(".", 1)[0]: ("pre" if _is_before_blocks(n, trace) else "post")
                           for n, (_, owner) in trace.params.items() if owner == "outside"},
     )
-
-
-def gcd_all(values) -> int:
-    return reduce(math.gcd, values, 0)

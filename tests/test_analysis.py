@@ -117,3 +117,13 @@ def test_untraceable_model_names_the_line():
 
     with pytest.raises(TraceError, match=r"test_analysis.py:\d+.*item"):
         capture.trace_model(Bad, batch=1, seq_len=4, vocab_size=16)
+
+
+def test_flops_expression_in_batch(llama8b):
+    import sympy
+
+    b = sympy.Symbol("b", positive=True)
+    e = llama8b.flops_expr()
+    one = float(e.subs(b, 1))
+    assert float(e.subs(b, 4)) == pytest.approx(4 * one)
+    assert one * 3 / llama8b.seq_len == pytest.approx(llama8b.model_flops_per_token(), rel=1e-6)

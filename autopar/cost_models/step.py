@@ -34,7 +34,6 @@ profile's reserve.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -341,12 +340,10 @@ class StageModel:
         return pipe + self.optimizer_time() + self.dp_exposed()
 
     def optimizer_time(self) -> float:
-        c = self.coeffs
         ranks = [self.rank_params(r) for r in range(self.cfg.pp)] if self.cfg.pp > 1 else [self.rank_params(0)]
         p = max(ranks)
         shard = self.cfg.dp_shard if self.cfg.fsdp else 1
         # AdamW reads param, grad, two states and writes param and two states: 28 bytes (fp32).
-        del c
         return p / shard * 28 / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
 
     def rank_params(self, r: int) -> float:
@@ -523,10 +520,6 @@ def validate_config(ctx: CostContext, cfg: Config) -> None:
 def valid_tp_degrees(m: ModelProfile, limit: int = 512) -> list[int]:
     """TP degrees (up to ``limit``) that divide every head count and sharded dimension."""
     return [t for t in range(1, limit + 1) if not m.max_tp_check(t)]
-
-
-def replace(cfg: Config, **kw) -> Config:
-    return dataclasses.replace(cfg, **kw)
 
 
 def divisors(n: int) -> list[int]:
