@@ -77,6 +77,15 @@ def profile_model(
     return Profiled(prof, name, time.perf_counter() - t0)
 
 
+def model_precision(model: Any) -> str:
+    """The precision a plan assumes for a real module: fp32 parameters train in fp32, others bf16."""
+    if isinstance(model, nn.Module):
+        p = next(model.parameters(), None)
+        if p is not None and p.dtype == torch.float32:
+            return "fp32"
+    return "bf16"
+
+
 def default_global_batch(seq_len: int, world: int = 1) -> int:
     """4M tokens per step, and at least one sequence per 8 GPUs (Llama 3 405B: 16M tokens on 16K)."""
     return max(1, DEFAULT_TOKENS_PER_STEP // seq_len, world // 8)
@@ -134,14 +143,14 @@ def plan_candidates(
     model: Any, world_size_or_mesh: Any, *, k: int = 4, example_inputs: tuple | None = None,
     hardware: str | dict | Hardware = "h100", global_batch: int | None = None, pin: str | dict | None = None,
     memory_limit_gb: float | None = None, precision: str | None = None, seq_len: int | None = None,
-    loss_fn: Callable | None = None,
+    loss_fn: Callable | None = None, profiled: Profiled | None = None,
 ) -> list[Plan]:
     """The planner's best plan and runners-up (distinct shapes) as Plans, best first: what
     ``autopar tune plans`` measures."""
     world = _world(world_size_or_mesh)
-    if precision is None:
-        precision = "fp32" if isinstance(model, nn.Module) and next(model.parameters()).dtype == torch.float32 else "bf16"
-    prof = profile_model(model, seq_len=seq_len, example_inputs=example_inputs, precision=precision, loss_fn=loss_fn)
+    precision = precision or model_precision(model)
+    prof = profiled or profile_model(model, seq_len=seq_len, example_inputs=example_inputs, precision=precision,
+                                     loss_fn=loss_fn)
     ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
                        precision=precision, memory_limit_gb=memory_limit_gb)
     pins = search_mod.parse_pins(pin)

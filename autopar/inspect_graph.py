@@ -18,14 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
-from autopar.capture import VIEW_OPS, default_loss, op_name
+from autopar.capture import VIEW_OPS, default_loss, op_name, tensor_bytes
 from autopar.plan import MESH_DIMS, Plan
 
 COLLECTIVE_NS = "_c10d_functional"
-
-
-def _bytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def rewritten_graph(build, plan: Plan, *, max_ops: int = 400) -> str:
@@ -73,7 +69,7 @@ def rewritten_graph(build, plan: Plan, *, max_ops: int = 400) -> str:
             if getattr(func, "namespace", "") == COLLECTIVE_NS:
                 mod = max((m for m in styles if where.startswith(m)), key=len, default=None)
                 src = f"{styles[mod][0]} pass: {styles[mod][1]}" if mod else "tp pass"
-                line = f"  {phase} {name}(local {_bytes(args[0]) / 2**20:.1f} MiB)   # inserted by {src}"
+                line = f"  {phase} {name}(local {tensor_bytes(args[0]) / 2**20:.1f} MiB)   # inserted by {src}"
             rows.append(line)
             return out
 

@@ -56,23 +56,20 @@ def _world(mesh: Any) -> tuple[int, str]:
     return mesh, dev
 
 
-def _resolve_plan(plan: Any, model: nn.Module, world: int, *, example_inputs, hardware, global_batch,
-                  memory_limit_gb, loss_fn, device: str) -> tuple[Plan, str]:
-    precision = "fp32" if next(model.parameters()).dtype == torch.float32 else "bf16"
+def _resolve_plan(plan: Any, model: nn.Module, world: int, prof: "api.Profiled", *, example_inputs, hardware,
+                  global_batch, memory_limit_gb, loss_fn, device: str) -> Plan:
+    """A Plan from what the user passed ("auto", pins, a Plan, or a JSON path), checked against
+    this model's fingerprint and the world size."""
+    if isinstance(plan, Plan) or (isinstance(plan, str) and plan != "auto"):
+        p = plan if isinstance(plan, Plan) else Plan.load(plan)
+        p.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
+        return p
     hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
     gb = global_batch or int(example_inputs[0].shape[0])
-    fingerprint = api.profile_model(model, example_inputs=example_inputs, precision=precision, loss_fn=loss_fn)
-    if isinstance(plan, Plan):
-        plan.check(model_fingerprint=fingerprint.profile.fingerprint, world_size=world)
-        return plan, fingerprint.profile.fingerprint
-    if isinstance(plan, str) and plan != "auto":
-        p = Plan.load(plan)
-        p.check(model_fingerprint=fingerprint.profile.fingerprint, world_size=world)
-        return p, fingerprint.profile.fingerprint
     pins = plan if isinstance(plan, dict) else None
-    p = api.plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb, pin=pins,
-                 memory_limit_gb=memory_limit_gb, precision=precision, loss_fn=loss_fn, profiled=fingerprint)
-    return p, fingerprint.profile.fingerprint
+    return api.plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb, pin=pins,
+                    memory_limit_gb=memory_limit_gb, precision=api.model_precision(model), loss_fn=loss_fn,
+                    profiled=prof)
 
 
 def compile(
@@ -98,6 +95,9 @@ def compile(
     ids = example_inputs[0]
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
+    # Traced once: for planning, for checking a given plan's fingerprint, and for tuning.
+    prof = api.profile_model(model, example_inputs=example_inputs, precision=api.model_precision(model),
+                             loss_fn=loss_fn)
     tuning = None
     if tune:
         import copy
@@ -107,14 +107,15 @@ def compile(
         hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
         cands = api.plan_candidates(model, world, k=tune_top, example_inputs=example_inputs, hardware=hw,
                                     global_batch=global_batch or int(ids.shape[0]), memory_limit_gb=memory_limit_gb,
-                                    pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn)
+                                    pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn,
+                                    profiled=prof)
         db = tune_mod.MeasurementDB(tune_db) if (not dist.is_initialized() or dist.get_rank() == 0) else None
         tuning = tune_mod.tune_plans(lambda: copy.deepcopy(model), cands, example_inputs,
                                      hardware=api.load_hardware(hw).name, db=db, steps=tune_steps, loss_fn=loss_fn,
                                      compile=compile, memory_limit_gb=memory_limit_gb)
         plan = tuning[0]["plan"]
-    p, fp = _resolve_plan(plan, model, world, example_inputs=example_inputs, hardware=hardware,
-                          global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
+    p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
+                      global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
     if p.seq_len != ids.shape[1]:
         raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
     dmesh = None

@@ -325,10 +325,6 @@ class StageModel:
             "reserve": self.ctx.hw.reserve_gb * GiB,
         }
 
-    def fixed_memory(self, r: int) -> float:
-        """Memory of rank ``r`` that does not depend on its layers' AC modes, per layer count 0."""
-        return sum(self.rank_memory(r, (0, 0, 0)).values())
-
     # -- whole step ---------------------------------------------------------------------------
     def step_time(self, rank_times: list[float]) -> float:
         cfg, M = self.cfg, self.M
