@@ -76,6 +76,12 @@ class NodeCosts:
     causal: np.ndarray  # bool: attention kernel with a causal mask
     recompute_selective: np.ndarray  # bool: recomputed under selective AC
 
+    def subset(self, mask: np.ndarray) -> "NodeCosts":
+        """The nodes where ``mask`` is true."""
+        idx = np.flatnonzero(mask)
+        return NodeCosts([self.names[i] for i in idx], *(getattr(self, f)[idx] for f in (
+            "flops", "act_bytes", "weight_bytes", "kind", "tp", "causal", "recompute_selective")))
+
 
 @dataclass
 class BlockProfile:
@@ -106,6 +112,17 @@ class BlockProfile:
     @property
     def rows(self) -> int:
         return len(self.tp_groups)
+
+    @property
+    def tp_linears(self) -> int:
+        """Linears sharded by TP (column and row)."""
+        return sum(l.role in ("column", "row") for l in self.linears)
+
+    @property
+    def sequence_modules(self) -> list[str]:
+        """Modules with 1-D parameters that are not linears (norms): sequence-parallel under SP."""
+        linear_mods = {l.weight.rsplit(".", 1)[0] for l in self.linears}
+        return sorted({n.rsplit(".", 1)[0] for n, shp in self.param_shapes.items() if len(shp) == 1} - linear_mods)
 
     @property
     def count(self) -> int:

@@ -253,8 +253,7 @@ def shard_rules(m: analysis.ModelProfile) -> tuple[ShardRule, ...]:
             linear_mods[mod] = {"column": "colwise", "row": "rowwise"}.get(l.role, "replicate")
         rules += [ShardRule(b.cls_name, mod, st) for mod, st in linear_mods.items()]
         rules += [ShardRule(b.cls_name, g[0], "tp_input") for g in b.tp_groups if g[0] is not None]
-        norms = sorted({n.rsplit(".", 1)[0] for n, shp in b.param_shapes.items() if len(shp) == 1} - set(linear_mods))
-        rules += [ShardRule(b.cls_name, mod, "sequence") for mod in norms]
+        rules += [ShardRule(b.cls_name, mod, "sequence") for mod in b.sequence_modules]
     for name, shape in m.outside_params.items():
         mod = name.rsplit(".", 1)[0]
         mtype = m.module_types.get(mod, "")

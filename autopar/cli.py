@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--reps", type=int, default=5)
     ca.add_argument("-o", "--output", default="calibrated.json")
     ca.add_argument("--plot", default=None, help="PNG of measured against fitted collective curves")
+    ca.add_argument("--model", default=None,
+                    help="also fit the compute efficiencies to this model's own operators (preset, config.json, pkg.mod:factory)")
+    ca.add_argument("--batch", type=int, default=1, help="sequences per process for --model")
+    ca.add_argument("--seq-len", type=int, default=None, help="sequence length for --model")
     tp_ = tsub.add_parser("plans", help="run the planner's top plans for real and pick the fastest")
     tp_.add_argument("model")
     tp_.add_argument("--nproc", type=int, default=2)
@@ -158,12 +162,19 @@ def _tune(args) -> int:
     if args.tune_cmd == "calibrate":
         base = args.base or ("h100" if backend == "nccl" else "cpu-gloo")
         max_bytes = args.max_mb * (1 << 20) if args.max_mb else None
-        cal = tune.launch(args.nproc, backend, tune._calibrate_rank, base, max_bytes, args.reps)
+        cal = tune.launch(args.nproc, backend, tune._calibrate_rank, base, max_bytes, args.reps, args.model,
+                          args.batch, args.seq_len)
         with open(args.output, "w") as f:
             json.dump(cal.profile, f, indent=1)
         print(f"calibrated profile written to {args.output}: peak {cal.profile['peak_tflops']:.3g} TFLOP/s, "
-              f"matmul efficiency {cal.profile['efficiency']['matmul']:.2f}, memory "
+              f"efficiency matmul {cal.profile['efficiency']['matmul']:.2f} attention "
+              f"{cal.profile['efficiency']['attention']:.2f} memory {cal.profile['efficiency']['memory']:.2f}, memory "
               f"{cal.profile['memory_bandwidth_gbps']:.1f} GB/s, per-op {cal.profile['launch_us']:.1f} us")
+        if "model" in cal.points:
+            m = cal.points["model"]
+            print(f"  fitted to {m['model']}: measured " + ", ".join(
+                f"{k} {v * 1e3:.1f} ms (at full efficiency {m['predicted_at_full_efficiency_s'][k] * 1e3:.1f} ms)"
+                for k, v in m["measured_s"].items()))
         for kind, by_g in cal.profile["collectives"].items():
             print("  " + kind + ": " + ", ".join(f"{g} ranks alpha {a:.1f} us beta {b:.2f} GB/s" for g, (a, b) in by_g.items()))
         if args.plot and tune.plot(cal, args.plot):

@@ -6,12 +6,12 @@ processes of one machine is part of what is measured:
 - matmul throughput (fp32 on CPU; bf16 on GPUs) over square and skinny shapes, sustained for
   0.2 s per timing so that processes sharing cores contend as in training;
 - fused attention (``scaled_dot_product_attention``, causal) throughput;
-- memory bandwidth (a large element-wise op) and the fixed cost of one small op;
+- memory bandwidth of an element-wise op by size (a curve) and the fixed cost of one small op;
 - all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over every power-of-two group
   size up to N and messages from 1 KiB up.
 
 Fits: matmul and attention efficiency against the profile's peak (the peak is raised to the
-measurement when a data sheet is unknown, as for CPUs); measured memory bandwidth; per-op cost;
+measurement when a data sheet is unknown, as for CPUs); the bandwidth curve; per-op cost;
 and for each collective and group size an alpha-beta line ``t = alpha + bytes / beta`` by least
 squares, which the cost model then uses instead of its analytic ring model.
 
@@ -56,23 +56,85 @@ def _timeit(fn: Callable, reps: int, sync: Callable = lambda: None, group=None) 
     return statistics.median(out)
 
 
-def _sustained(fn: Callable, reps: int, sync: Callable, seconds: float = 0.2) -> float:
+def _sustained(fn: Callable, reps: int, sync: Callable, seconds: float = 0.2, group=None) -> float:
     """Seconds per call of ``fn`` over runs of at least ``seconds``: long enough that processes
     sharing cores actually contend, as they do while training (short runs get serialised)."""
-    probe = _timeit(fn, 1, sync)
+    probe = _timeit(fn, 1, sync, group)
     n = max(1, int(seconds / max(probe, 1e-6)))
 
     def many():
         for _ in range(n):
             fn()
 
-    return _timeit(many, reps, sync) / n
+    return _timeit(many, reps, sync, group) / n
+
+
+def compute_slots(world: int, cuda: bool) -> int:
+    """How many of this host's ranks can compute at once: one per GPU; on CPUs, cores divided by
+    each process's threads."""
+    if cuda:
+        return world
+    return max(1, min(world, (os.cpu_count() or 1) // max(1, torch.get_num_threads())))
+
+
+def _in_turns(slots: int, fn: Callable):
+    """``fn(group)`` on every rank, at most ``slots`` ranks at a time, so that what it measures is
+    one rank's own speed (the cost model shares the slots out itself). ``group`` holds the ranks of
+    the turn (None: all ranks at once)."""
+    if not dist.is_initialized() or slots >= dist.get_world_size():
+        return fn(None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    turns = [list(range(s, min(world, s + slots))) for s in range(0, world, slots)]
+    groups = [dist.new_group(t) for t in turns]  # collective: every rank creates every group
+    out = None
+    for members, group in zip(turns, groups):
+        if rank in members:
+            out = fn(group)
+        dist.barrier()
+    return out
+
+
+def _dtensor_overhead(group, device, sync, reps: int) -> tuple[float, float]:
+    """Eager DTensor dispatch time (seconds, forward + backward) per tensor-parallel linear and per
+    sequence-parallel norm: tiny layers, so what is left after the local compute and the
+    collectives is the framework's own time."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    g = mesh.size()
+    width = 16 * g
+    torch.manual_seed(0)
+    mlp = lambda: nn.Sequential(nn.Linear(width, width, bias=False), nn.ReLU(), nn.Linear(width, width, bias=False)).to(device)  # noqa: E731
+    ref, tp = mlp(), mlp()
+    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(2, 8, width, device=device, requires_grad=True)
+    y = torch.ones(2 * 8 * width, device=device)
+
+    def fwd_bwd(m):
+        return lambda: m(x).sum().backward()
+
+    n = 4 * reps
+    t_ref = _timeit(fwd_bwd(ref), n, sync, group)
+    t_tp = _timeit(fwd_bwd(tp), n, sync, group)
+    t_ar = _timeit(lambda: dist.all_reduce(y, group=group), n, sync, group)
+    per_linear = max(0.0, (t_tp - t_ref - 2 * t_ar) / 2)  # forward: the row's reduce; backward: the column input's
+    norm_ref, norm_sp = nn.LayerNorm(width).to(device), nn.LayerNorm(width).to(device)
+    parallelize_module(norm_sp, mesh, SequenceParallel())
+    t_nref = _timeit(lambda: norm_ref(x).sum().backward(), n, sync, group)
+    t_nsp = _timeit(lambda: norm_sp(x).to_local().sum().backward(), n, sync, group)
+    return per_linear, max(0.0, t_nsp - t_nref)
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
-    """Least squares ``t = alpha + n / beta``: (alpha in microseconds, beta in GB/s)."""
-    A = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=np.float64)], axis=1)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.asarray(times, dtype=np.float64), rcond=None)
+    """Least squares of the relative error of ``t = alpha + n / beta`` (each point weighted by
+    ``1/t``, so microsecond latencies count as much as long transfers): (alpha us, beta GB/s)."""
+    t = np.asarray(times, dtype=np.float64)
+    A = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=np.float64)], axis=1) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.ones(len(t)), rcond=None)
     alpha = max(float(alpha), 0.0)
     inv_beta = max(float(inv_beta), 1e-15)
     return alpha * 1e6, 1.0 / inv_beta / 1e9
@@ -115,6 +177,38 @@ class Calibration:
     points: dict  # raw measurements, for the plot
 
 
+def _compute_benchmarks(cuda: bool, device, dtype, sync, reps: int, group) -> dict:
+    """Matmul (best of a few shapes), causal attention, element-wise bandwidth by size (a curve:
+    caches on CPUs, small kernels on GPUs, page faults of fresh large allocations on CPUs), in-place
+    bandwidth of the largest buffer (the optimizer's) and the cost of one tiny op."""
+    out: dict = {"matmul": []}
+    shapes = [(2048, 2048, 2048), (4096, 1024, 4096), (8192, 8192, 8192)] if cuda else [(256, 256, 256), (512, 512, 512), (1024, 512, 1024)]
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+        rate = 2 * m * k * n / _sustained(lambda: a @ b, reps, sync, group=group)
+        out["matmul"].append({"shape": [m, k, n], "tflops": rate / 1e12})
+        best = max(best, rate)
+    out["best"] = best
+    b_, h_, s_, d_ = (4, 16, 2048, 128) if cuda else (2, 4, 256, 32)
+    q = torch.randn(b_, h_, s_, d_, dtype=dtype, device=device)
+    t = _sustained(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), reps, sync, group=group)
+    out["attention"] = 4 * b_ * h_ * s_ * s_ * d_ * 0.5 / t
+    curve = []
+    for mb in ((0.25, 1, 4, 16, 64, 256, 1024) if cuda else (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)):
+        x = torch.ones(int(mb * (1 << 20)) // 4, device=device)
+        t = _sustained(lambda: x.add(1.0), reps, sync, group=group)
+        curve.append([2 * x.numel() * 4, 2 * x.numel() * 4 / t / 1e9])  # bytes moved, GB/s
+        del x
+    out["curve"] = curve
+    x = torch.ones(int(curve[-1][0]) // 8, device=device)
+    out["bw"] = 2 * x.numel() * 4 / _sustained(lambda: x.add_(1.0), reps, sync, group=group)
+    del x
+    small = torch.ones(8, device=device)
+    out["op_s"] = _sustained(lambda: small.add(1.0), reps, sync, group=group)
+    return out
+
+
 def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int = 5,
               progress: Callable[[str, int, int], None] | None = None) -> Calibration:
     """Run every microbenchmark on this rank (all ranks call it together) and fit a profile."""
@@ -130,43 +224,24 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     steps = [0]
     sizes = [1 << k for k in range(10, int(math.log2(max_bytes)) + 1, 2)]
     groups = [g for g in (2 ** i for i in range(1, 16)) if g <= world]
-    total = 3 + ((len(COLLECTIVES) - 1) * len(groups) + 1) * len(sizes)
+    total = 2 + ((len(COLLECTIVES) - 1) * len(groups) + 1) * len(sizes)
 
     def tick(what: str):
         steps[0] += 1
         if progress and rank == 0:
             progress(what, steps[0], total)
 
-    shapes = [(2048, 2048, 2048), (4096, 1024, 4096), (8192, 8192, 8192)] if cuda else [(256, 256, 256), (512, 512, 512), (1024, 512, 1024)]
-    best = 0.0
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-        t = _sustained(lambda: a @ b, reps, sync)
-        rate = 2 * m * k * n / t
-        points["matmul"].append({"shape": [m, k, n], "tflops": rate / 1e12})
-        best = max(best, rate)
-    tick("matmul")
-    b_, h_, s_, d_ = (4, 16, 2048, 128) if cuda else (2, 4, 256, 32)
-    q = torch.randn(b_, h_, s_, d_, dtype=dtype, device=device)
-    t = _sustained(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), reps, sync)
-    attn_rate = 4 * b_ * h_ * s_ * s_ * d_ * 0.5 / t
-    points["attention"].append({"shape": [b_, h_, s_, d_], "tflops": attn_rate / 1e12})
-    tick("attention")
-    # Element-wise bandwidth by size: the largest is memory; smaller ones may fit in a cache.
-    by_size = {}
-    for mb in ((1, 4, 16, 64, 256) if cuda else (0.25, 1, 4, 16, 64)):
-        x = torch.ones(int(mb * (1 << 20)) // 4, device=device)
-        t = _sustained(lambda: x.add(1.0), reps, sync)
-        by_size[mb] = 2 * x.numel() * 4 / t
-    bw = by_size[max(by_size)]
-    cache_bw = max(by_size.values())
-    cached = [mb for mb, b in by_size.items() if b >= (cache_bw + bw) / 2 and mb < max(by_size)]
-    cache_mb = 2 * max(cached) if cached and cache_bw > 1.5 * bw and not cuda else 0.0
-    points["memory_by_size"] = {str(k): v / 1e9 for k, v in by_size.items()}
-    small = torch.ones(8, device=device)
-    t_small = _sustained(lambda: small.add(1.0), reps, sync)
-    points["memory"].append({"gbps": bw / 1e9, "op_us": t_small * 1e6})
-    tick("memory")
+    slots = compute_slots(world, cuda)
+    measured = _in_turns(slots, lambda group: _compute_benchmarks(cuda, device, dtype, sync, reps, group))
+    best, attn_rate, curve, bw, t_small = (measured[k] for k in ("best", "attention", "curve", "bw", "op_s"))
+    points.update(matmul=measured["matmul"], memory_by_size=curve,
+                  attention=[{"tflops": attn_rate / 1e12}], memory=[{"gbps": bw / 1e9, "op_us": t_small * 1e6}])
+    tick("compute")
+    tp_linear = sp_module = 0.0
+    if dist.is_initialized() and world > 1:
+        tp_linear, sp_module = _in_turns(slots, lambda group: _dtensor_overhead(group, device, sync, reps))
+    points["dtensor_overhead_us"] = {"tp_linear": tp_linear * 1e6, "sp_module": sp_module * 1e6}
+    tick("DTensor overhead")
 
     fitted: dict = {}
     # Every rank creates every group, in the same order (new_group is collective).
@@ -206,11 +281,98 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     prof.update(
         name=f"{hw.name}-calibrated", peak_tflops=peak / 1e12, memory_bandwidth_gbps=bw / 1e9,
         gpus_per_node=max(world, 1), collectives=fitted, launch_us=t_small * 1e6,
-        cache_mb=cache_mb, cache_bandwidth_gbps=cache_bw / 1e9 if cache_mb else 0.0,
+        compute_slots=slots if slots < world else 0, tp_linear_us=tp_linear * 1e6, sp_module_us=sp_module * 1e6,
+        bandwidth_curve=curve,
         efficiency={**hw.efficiency, "matmul": min(1.0, best / peak), "attention": min(1.0, attn_rate / peak), "memory": 1.0},
         note=f"calibrated by autopar tune on {world} {'GPU' if cuda else 'CPU'} processes, torch {torch.__version__}",
     )
     return Calibration(prof, points)
+
+
+def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, example_inputs: tuple, *,
+                    loss_fn: Callable | None = None, reps: int = 3) -> Calibration:
+    """Fit the compute efficiencies to the model's own operators (all ranks call it together, each
+    running the whole model on its own, so contention between processes is included).
+
+    One forward and backward of the real model is timed (wall clock) and profiled; the profiler's
+    split of the time into matmuls, attention kernels and everything else, set against the cost
+    model's roofline for the same traced nodes at full efficiency, gives each kind's efficiency:
+    ``e = predicted at e=1 / measured``. The memory-bound kind first subtracts the per-op cost
+    (``launch_us``) the profile already charges. Microbenchmarks pin the machine's peaks; this fits
+    what the model's shapes achieve of them (skinny matmuls, fresh activation memory)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from autopar import api
+    from autopar.analysis import KIND_ATTN, KIND_MATMUL, KIND_OTHER, MATMUL_OPS
+    from autopar.capture import default_loss
+    from autopar.cost_models.compute import node_times
+
+    hw = load_hardware(profile)
+    ids = example_inputs[0]
+    cuda = ids.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    loss_fn = loss_fn or default_loss
+    model = model_factory()
+    tgt = torch.roll(ids, -1, dims=1)
+
+    def fwd_bwd():
+        loss_fn(model(*example_inputs), tgt).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    def run(group):
+        wall = _timeit(fwd_bwd, reps, sync, group)
+        with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            fwd_bwd()
+            sync()
+        split = {KIND_MATMUL: 0.0, KIND_ATTN: 0.0, KIND_OTHER: 0.0}
+        for e in prof.key_averages():
+            t = e.self_device_time_total if cuda else e.self_cpu_time_total
+            name = e.key.split("::")[-1]
+            split[KIND_MATMUL if name in MATMUL_OPS else KIND_ATTN if "attention" in name else KIND_OTHER] += t
+        return wall, split
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    wall, split = _in_turns(hw.compute_slots or world, run)  # one rank's own speed, as in calibrate
+    total = sum(split.values()) or 1.0
+    measured = {k: wall * v / total for k, v in split.items()}
+
+    traced = api.profile_model(model, example_inputs=example_inputs, loss_fn=loss_fn).profile
+    ideal = load_hardware({**hw.to_dict(), "efficiency": {**hw.efficiency, "matmul": 1.0, "attention": 1.0, "memory": 1.0}})
+    no_launch = load_hardware({**ideal.to_dict(), "launch_us": 0.0})
+    predicted = {KIND_MATMUL: 0.0, KIND_ATTN: 0.0, KIND_OTHER: 0.0}
+    launch = 0.0
+    segments = [b.costs for b in traced.layer_sequence()] + [traced.pre.costs, traced.post.costs]
+    for costs in segments:
+        for kind in predicted:
+            sub = costs.subset(costs.kind == kind)
+            kw = dict(mb=int(ids.shape[0]), tp=1, sp=False, compiled=False)
+            t0, t1 = node_times(sub, no_launch, **kw), node_times(sub, ideal, **kw)
+            predicted[kind] += t0.fwd + t0.bwd
+            if kind == KIND_OTHER:
+                launch += (t1.fwd + t1.bwd) - (t0.fwd + t0.bwd)
+
+    def ratio(pred: float, meas: float, hi: float) -> float:
+        return float(min(hi, max(0.01, pred / meas))) if meas > 0 and pred > 0 else 1.0
+
+    eff = {
+        "matmul": ratio(predicted[KIND_MATMUL], measured[KIND_MATMUL], 1.0),
+        "attention": ratio(predicted[KIND_ATTN], measured[KIND_ATTN], 1.0),
+        "memory": ratio(predicted[KIND_OTHER], max(measured[KIND_OTHER] - launch, 0.25 * measured[KIND_OTHER]), 4.0),
+    }
+    if dist.is_initialized():  # one profile for all ranks: the slowest rank's efficiencies
+        allv = [None] * dist.get_world_size()
+        dist.all_gather_object(allv, eff)
+        eff = {k: min(v[k] for v in allv) for k in eff}
+    prof_out = {**hw.to_dict(), "efficiency": {**hw.efficiency, **eff},
+                "note": (hw.note + "; " if hw.note else "") + f"compute efficiencies fitted to {traced.name} "
+                        f"(batch {ids.shape[0]} x {ids.shape[1]})"}
+    names = {KIND_MATMUL: "matmul", KIND_ATTN: "attention", KIND_OTHER: "memory"}
+    points = {"model": traced.name, "wall_s": wall,
+              "measured_s": {names[k]: v for k, v in measured.items()},
+              "predicted_at_full_efficiency_s": {names[k]: v for k, v in predicted.items()},
+              "per_op_s": launch, "efficiency": eff}
+    return Calibration(prof_out, points)
 
 
 def plot(cal: Calibration, path: str) -> bool:
@@ -443,7 +605,8 @@ def launch(nproc: int, backend: str, fn, *args):
     return results[0]
 
 
-def _calibrate_rank(base: str, max_bytes, reps: int):
+def _calibrate_rank(base: str, max_bytes, reps: int, model_spec: str | None = None, batch: int = 1,
+                    seq_len: int | None = None):
     from rich.progress import Progress
     import sys
 
@@ -454,19 +617,21 @@ def _calibrate_rank(base: str, max_bytes, reps: int):
                             progress=lambda what, i, n: prog.update(task, completed=i, total=n, description=what))
     else:
         cal = calibrate(base, max_bytes=max_bytes, reps=reps)
+    if model_spec:
+        factory, ids = _model_inputs(model_spec, batch, seq_len)
+        fit = calibrate_model(cal.profile, factory, (ids,), reps=reps)
+        cal = Calibration(fit.profile, {**cal.points, "model": fit.points})
     return cal
 
 
-def _tune_rank(model_spec: str, world: int, top: int, steps: int, plan_kw: dict, db_path: str | None):
-    from autopar import api, models
+def _model_inputs(model_spec: str, batch: int, seq_len: int | None):
+    """A factory of the model (seeded, on this rank's GPU under NCCL) and token ids to feed it."""
+    from autopar import models
 
-    src = models.resolve(model_spec, seq_len=plan_kw.get("seq_len"))
-    seq = plan_kw.get("seq_len") or src.seq_len
-    gb = plan_kw.get("global_batch") or world
-    torch.manual_seed(0)
-    vocab = src.vocab_size or 256
-    ids = torch.randint(0, vocab, (gb, seq), generator=torch.Generator().manual_seed(0))
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    src = models.resolve(model_spec, seq_len=seq_len)
+    seq = seq_len or src.seq_len
+    ids = torch.randint(0, src.vocab_size or 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         ids = ids.cuda()
 
     def factory():
@@ -474,6 +639,14 @@ def _tune_rank(model_spec: str, world: int, top: int, steps: int, plan_kw: dict,
         m = src.build()
         return m.cuda() if ids.is_cuda else m
 
+    return factory, ids
+
+
+def _tune_rank(model_spec: str, world: int, top: int, steps: int, plan_kw: dict, db_path: str | None):
+    from autopar import api
+
+    gb = plan_kw.get("global_batch") or world
+    factory, ids = _model_inputs(model_spec, gb, plan_kw.get("seq_len"))
     hw = plan_kw.get("hardware") or ("h100" if ids.is_cuda else "cpu-gloo")
     cands = api.plan_candidates(factory(), world, k=top, example_inputs=(ids,), hardware=hw, global_batch=gb,
                                 memory_limit_gb=plan_kw.get("memory_limit_gb"))

@@ -17,10 +17,11 @@ def machine() -> dict:
     }
 
 
-def write(name: str, rows: list[dict], summary: dict, columns: list[str], title: str) -> None:
+def write(name: str, rows: list[dict], summary: dict, columns: list[str], title: str, extra: dict | None = None) -> None:
+    """``name``.json (machine, summary, rows and ``extra``) and ``name``.md (a table of ``columns``)."""
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump({"machine": machine(), "summary": summary, "rows": rows}, f, indent=1, default=str)
+        json.dump({"machine": machine(), "summary": summary, "rows": rows, **(extra or {})}, f, indent=1, default=str)
     lines = [f"# {title}", "", f"Machine: {machine()}", ""]
     lines += [f"- {k}: {v}" for k, v in summary.items()] + [""]
     lines.append("| " + " | ".join(columns) + " |")

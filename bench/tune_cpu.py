@@ -9,14 +9,16 @@ Targets (issue 4): after calibration, median error <= 15% and Spearman >= 0.8.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
-from bench.common import write
+from bench.common import RESULTS, write
 
 MODEL, SEQ, BATCH = "llama-small", 256, 8
 PLANS = {
@@ -42,37 +44,45 @@ def _measure_rank(world: int, pins: list[str], steps: int):
     return out
 
 
-def _predict(plan_json: str, profile) -> float:
+@functools.lru_cache(maxsize=1)
+def _profile():
     from autopar import api
-    from autopar.cost_models.step import AC_MODES, Config, CostContext, StageModel
+
+    return api.profile_model(MODEL, seq_len=SEQ, precision="fp32").profile
+
+
+def _predict(plan_json: str, profile) -> float:
+    """The plan as measured (eager, fp32, its AC) priced with ``profile``."""
+    from autopar import api
+    from autopar.cost_models.step import Config, CostContext, StageModel, uniform_assignment
     from autopar.plan import Plan
 
     p = Plan.from_json(plan_json)
-    prof = api.profile_model(MODEL, seq_len=SEQ, precision="fp32")
-    ctx = CostContext(prof.profile, api.load_hardware(profile), BATCH, "fp32", compiled=False)
+    ctx = CostContext(_profile(), api.load_hardware(profile), BATCH, "fp32", compiled=False)
     cfg = Config(p.tp, p.pp, p.dp, p.dp_shard, p.sp, p.fsdp, p.reshard_after_forward, p.mb,
                  p.schedule if p.pp > 1 else "1f1b", p.v)
     sm = StageModel(ctx, cfg)
-    from autopar.cost_models.step import uniform_assignment
-
     return sm.evaluate(uniform_assignment(sm, p.layers[0].ac)).step_time_s
 
 
-def main(argv=None) -> int:
+def _calibrate(world: int) -> dict:
+    """Microbenchmarks plus the model's own operators at this world's share of the batch."""
     from autopar import tune
 
-    steps = 3
-    rows, summary = [], {}
-    for world in (2, 4):
-        cal = tune.launch(world, "gloo", tune._calibrate_rank, "cpu-gloo", 4 << 20, 3)
-        measured = tune.launch(world, "gloo", _measure_rank, world, PLANS[world], steps)
-        for r in measured:
-            r["world"] = world
-            r["before_s"] = _predict(r["plan"], "cpu-gloo")
-            r["after_s"] = _predict(r["plan"], cal.profile)
-            r["before_err"] = r["before_s"] / r["measured_s"] - 1
-            r["after_err"] = r["after_s"] / r["measured_s"] - 1
-            rows.append(r)
+    return tune.launch(world, "gloo", tune._calibrate_rank, "cpu-gloo", 4 << 20, 3, MODEL,
+                       max(1, BATCH // world), SEQ).profile
+
+
+def _summarise(rows: list[dict], profiles: dict) -> dict:
+    from autopar import tune
+
+    summary = {}
+    for r in rows:
+        r["before_s"] = _predict(r["plan"], "cpu-gloo")
+        r["after_s"] = _predict(r["plan"], profiles[str(r["world"])])
+        r["before_err"] = r["before_s"] / r["measured_s"] - 1
+        r["after_err"] = r["after_s"] / r["measured_s"] - 1
+    for world in sorted({r["world"] for r in rows}):
         sub = [r for r in rows if r["world"] == world]
         meas = [r["measured_s"] for r in sub]
         for tag in ("before", "after"):
@@ -83,16 +93,41 @@ def main(argv=None) -> int:
         best_meas = min(sub, key=lambda r: r["measured_s"])
         summary[f"world {world} calibrated planner's pick is measured fastest"] = (
             f"{best_pred['pin'] == best_meas['pin']} (pick {best_pred['pin']}, fastest {best_meas['pin']})")
-        summary[f"world {world} calibrated profile"] = json.dumps({k: cal.profile[k] for k in ("peak_tflops", "memory_bandwidth_gbps", "launch_us")})
+        prof = profiles[str(world)]
+        summary[f"world {world} calibrated profile"] = json.dumps(
+            {k: prof[k] for k in ("peak_tflops", "memory_bandwidth_gbps", "launch_us")} | {"efficiency": prof["efficiency"]})
+    return summary
+
+
+def main(argv=None) -> int:
+    """``--reprice``: keep the stored measurements and calibrated profiles, price them again with
+    the current cost model (to check a cost-model change without measuring again);
+    ``--recalibrate``: keep the stored measurements, calibrate again."""
+    from autopar import tune
+
+    argv = sys.argv[1:] if argv is None else argv
+    path = os.path.join(RESULTS, "tune_cpu.json")
+    if "--reprice" in argv or "--recalibrate" in argv:
+        with open(path) as f:
+            stored = json.load(f)
+        rows, profiles = stored["rows"], stored["profiles"]
+        if "--recalibrate" in argv:
+            profiles = {str(w): _calibrate(w) for w in (2, 4)}
+    else:
+        rows, profiles = [], {}
+        for world in (2, 4):
+            profiles[str(world)] = _calibrate(world)
+            for r in tune.launch(world, "gloo", _measure_rank, world, PLANS[world], 3):
+                rows.append({"world": world, **r})
+    summary = _summarise(rows, profiles)
     for r in rows:
         print(f"world {r['world']} {r['pin']:40s} measured {r['measured_s']:.3f}s  before {r['before_s']:.3f}s "
               f"({r['before_err'] * 100:+.0f}%)  after {r['after_s']:.3f}s ({r['after_err'] * 100:+.0f}%)")
     for k, v in summary.items():
         print(f"{k}: {v}")
-    for r in rows:
-        r.pop("plan")
     write("tune_cpu", rows, summary, ["world", "pin", "measured_s", "before_s", "before_err", "after_s", "after_err",
-                                      "peak_memory_gb"], "Predicted vs measured step time on CPU/gloo, before and after calibration")
+                                      "peak_memory_gb"], "Predicted vs measured step time on CPU/gloo, before and after calibration",
+          extra={"profiles": profiles})
     return 0
 
 

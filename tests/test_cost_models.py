@@ -123,12 +123,16 @@ def test_breakdown_sums_to_step_time(llama8b):
     assert e.peak_memory_gb * GiB == pytest.approx(max(e.memory_bytes))
 
 
-def test_cache_bandwidth_for_small_ops():
+def test_bandwidth_curve_by_op_size():
     costs = NodeCosts(
         names=["small", "big"], flops=np.zeros(2), act_bytes=np.array([1e6, 1e9]), weight_bytes=np.zeros(2),
         kind=np.array([KIND_OTHER, KIND_OTHER], dtype=np.int8), tp=np.array([False, False]),
         causal=np.array([False, False]), recompute_selective=np.array([False, False]),
     )
-    hw = load_hardware({**HW.to_dict(), "cache_mb": 4.0, "cache_bandwidth_gbps": 20000.0})
+    eff = HW.eff("memory")
+    # 1e6 bytes lies halfway (in log size) between the 1e5 and 1e7 points; 1e9 is past the end.
+    hw = load_hardware({**HW.to_dict(), "bandwidth_curve": [[1e5, 1000.0], [1e7, 3000.0], [1e8, 500.0]]})
     ct = node_times(costs, hw, mb=1, tp=1, sp=False, compiled=False)
-    assert ct.fwd == pytest.approx(1e6 / 20000e9 + 1e9 / 3350e9)
+    assert ct.fwd == pytest.approx(1e6 / (2000e9 * eff) + 1e9 / (500e9 * eff))
+    flat = node_times(costs, HW, mb=1, tp=1, sp=False, compiled=False)
+    assert flat.fwd == pytest.approx((1e6 + 1e9) / (HW.memory_bandwidth_gbps * 1e9 * eff))

@@ -13,7 +13,8 @@ Scaling with the parallel configuration: a node's FLOPs and activation bytes gro
 microbatch ``mb``; nodes in the TP region divide by the TP degree ``t``; nodes in the sequence
 region divide by ``t`` only with sequence parallelism. Weight bytes divide by ``t`` in the TP
 region. Causal attention kernels skip half of the score blocks. A profile's ``launch_us`` adds a
-fixed cost per op (fused element-wise ops count ``fusion`` of one under Inductor). Backward costs ``2x`` the
+fixed cost per op; a profile's ``bandwidth_curve`` (measured by calibration) sets ``W`` by the bytes
+an op moves (fused element-wise ops count ``fusion`` of one under Inductor). Backward costs ``2x`` the
 forward for matmuls and memory-bound ops and ``2.5x`` for fused attention (FlashAttention-2's
 backward recomputes the scores).
 """
@@ -38,6 +39,16 @@ class ComputeTimes:
     flops: float  # forward FLOPs executed (after sharding)
 
 
+def memory_bandwidth(hw: Hardware, moved: np.ndarray) -> np.ndarray:
+    """Achieved bytes/s of memory-bound ops moving ``moved`` bytes: the profile's measured curve,
+    interpolated in log size (flat beyond its ends), or its flat bandwidth."""
+    if hw.bandwidth_curve:
+        sizes = np.log2([max(p[0], 1.0) for p in hw.bandwidth_curve])
+        gbps = np.asarray([p[1] for p in hw.bandwidth_curve], dtype=np.float64)
+        return np.interp(np.log2(np.maximum(moved, 1.0)), sizes, gbps) * 1e9 * hw.eff("memory")
+    return np.full_like(np.asarray(moved, dtype=np.float64), hw.memory_bandwidth_gbps * 1e9 * hw.eff("memory"))
+
+
 def node_times(
     costs: NodeCosts, hw: Hardware, *, mb: int, tp: int, sp: bool, bytes_scale: float = 1.0,
     compiled: bool = True, fp8: bool = False, seq_shard: int = 1,
@@ -57,9 +68,7 @@ def node_times(
     rate = np.where(costs.kind == KIND_MATMUL, mm_peak, peak * hw.eff("attention"))
     eff_flops = np.where(costs.causal, flops * 0.5, flops)
     moved = act + wbytes
-    bw = hw.memory_bandwidth_gbps * 1e9 * hw.eff("memory")
-    if hw.cache_mb > 0 and hw.cache_bandwidth_gbps > 0:
-        bw = np.where(moved < hw.cache_mb * 2**20, hw.cache_bandwidth_gbps * 1e9 * hw.eff("memory"), bw)
+    bw = memory_bandwidth(hw, moved)
     t = np.maximum(eff_flops / rate, moved / bw)
     if hw.launch_us:
         # Eager runs every op; Inductor fuses the element-wise ones into few kernels.

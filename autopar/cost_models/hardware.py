@@ -12,9 +12,16 @@ fits on a real machine:
 - ``collectives``: fitted alpha-beta pairs per collective and group size, which override the
   analytic ring model where present.
 - ``reserve_gb``: memory the framework holds beyond the model (context, workspace, fragmentation).
-- ``cache_mb``, ``cache_bandwidth_gbps``: ops that move less than ``cache_mb`` run at the cache's
-  bandwidth instead of the memory's (what calibration finds on CPUs, where small activations
-  stay in cache).
+- ``bandwidth_curve``: measured ``[[bytes_moved, GB/s], ...]`` of an element-wise op by size,
+  ascending. A memory-bound op runs at the bandwidth interpolated (in log size) at the bytes it
+  moves, instead of the flat ``memory_bandwidth_gbps``: on CPUs small activations stay in cache
+  and very large fresh allocations pay page faults; on GPUs small kernels never reach peak.
+- ``compute_slots``: ranks of a node that can compute at the same time (0: all of them, one
+  device each). CPU processes sharing fewer cores than there are ranks set it; the step is then
+  at least the node's total busy time divided by the slots.
+- ``tp_linear_us``, ``sp_module_us``: framework time of eager tensor parallelism (DTensor
+  dispatch) per sharded linear and per sequence-parallel module, forward and backward together.
+  Charged only for eager runs; compiled graphs trace it away.
 - ``launch_us``: fixed time per executed op (framework dispatch and kernel launch); it matters for
   small models and CPU runs, not for large GPU matmuls.
 """
@@ -56,8 +63,10 @@ class Hardware:
     collectives: dict = field(default_factory=dict)
     reserve_gb: float = 2.0
     launch_us: float = 0.0  # fixed cost per executed op (eager dispatch, kernel launch)
-    cache_mb: float = 0.0  # ops moving less than this run at cache_bandwidth_gbps (0: off)
-    cache_bandwidth_gbps: float = 0.0
+    bandwidth_curve: list = field(default_factory=list)  # [[bytes moved, GB/s], ...] ascending
+    compute_slots: int = 0  # ranks per node computing at once (0: every rank has its own device)
+    tp_linear_us: float = 0.0  # eager DTensor overhead per TP linear (forward + backward)
+    sp_module_us: float = 0.0  # eager DTensor overhead per sequence-parallel module (forward + backward)
     precision: str = "bf16"
     note: str = ""
 

@@ -19,6 +19,9 @@ compute and only the excess shows.) Rank ``r`` with ``n_r`` layers then costs
 
 plus the optimizer step (memory-bound AdamW) and, without FSDP, the exposed gradient all-reduce.
 The bubble is ``T - M * max_r t_r``; for a balanced pipeline it is ``(pp-1)/v`` of a microbatch.
+Where a node's ranks share ``S`` compute slots (CPU processes on fewer cores than ranks), the
+step is at least the node's total busy time over ``S`` (``shared_cores`` in the breakdown). Eager
+runs with TP add the DTensor dispatch time the profile measured (``tp_eager_overhead``).
 
 Memory of rank ``r`` (bytes)::
 
@@ -201,6 +204,7 @@ class StageModel:
             rs = collective_time(hw, "reduce_scatter", p_local * 4, self.g_shard)
             if cfg.dp_replicate > 1:
                 rs += collective_time(hw, "all_reduce", p_local * 4 / cfg.dp_shard, self.g_rep)
+        eager = self._eager_tp_overhead(b.tp_linears, len(b.sequence_modules))
         time, parts, act = {}, {}, {}
         seq_div = tp if sp else 1
         for ac in AC_MODES:
@@ -210,6 +214,8 @@ class StageModel:
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
                 "fsdp_comm": fsdp_fwd + fsdp_bwd,
+                # A full recompute runs the forward third of the DTensor dispatches again.
+                "tp_eager_overhead": eager * (4 / 3 if ac == "full" else 1.0),
             }
             time[ac] = sum(parts[ac].values())
             s_tp, s_rep = b.saved[ac]
@@ -217,6 +223,13 @@ class StageModel:
         s_tp, s_rep = b.saved["none"]
         ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
         return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws)
+
+    def _eager_tp_overhead(self, linears: int, sequence_modules: int) -> float:
+        """Seconds of DTensor dispatch per microbatch (forward and backward) in an eager run."""
+        cfg, hw = self.cfg, self.ctx.hw
+        if self.ctx.compiled or cfg.tp == 1:
+            return 0.0
+        return (linears * hw.tp_linear_us + (sequence_modules * hw.sp_module_us if cfg.sp else 0.0)) * 1e-6
 
     def _times(self, costs, mb: int, tp: int, sp: bool, fp8: bool):
         key = (id(costs), mb, tp, sp, fp8)
@@ -266,9 +279,10 @@ class StageModel:
             tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
                        for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
             saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
+            eager = self._eager_tp_overhead(1, 0)  # the vocabulary-parallel embedding or head
             self.outer[name] = {
-                "time": ct.fwd + ct.bwd + tp_t + fsdp,
-                "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_t, "fsdp_comm": fsdp},
+                "time": ct.fwd + ct.bwd + tp_t + fsdp + eager,
+                "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_t, "fsdp_comm": fsdp, "tp_eager_overhead": eager},
                 "static": self._state_bytes(p_local),
                 "working": p_local * ctx.act_bytes,
                 "act": saved,
@@ -327,6 +341,10 @@ class StageModel:
 
     # -- whole step ---------------------------------------------------------------------------
     def step_time(self, rank_times: list[float]) -> float:
+        return max(self.critical_path(rank_times), self.node_throughput_bound(rank_times))
+
+    def critical_path(self, rank_times: list[float]) -> float:
+        """The step when every rank computes on its own device: pipeline, optimizer, DP comm."""
         cfg, M = self.cfg, self.M
         if cfg.pp == 1:
             pipe = M * rank_times[0]
@@ -334,6 +352,17 @@ class StageModel:
             mx = max(rank_times)
             pipe = (M - 1) * mx + sum(rank_times) / cfg.v + (cfg.v - 1) / cfg.v * mx
         return pipe + self.optimizer_time() + self.dp_exposed()
+
+    def node_throughput_bound(self, rank_times: list[float]) -> float:
+        """When a node's ranks share fewer compute slots than there are ranks (CPU processes on
+        fewer cores), the step lasts at least the node's total busy time over its slots: ranks
+        idle in a pipeline bubble leave their share to the others. 0 with a device per rank."""
+        hw = self.ctx.hw
+        on_node = min(self.cfg.world, hw.gpus_per_node)
+        if not hw.compute_slots or hw.compute_slots >= on_node:
+            return 0.0
+        busy = [self.M * t + self.optimizer_time() + self.dp_exposed() for t in rank_times]
+        return on_node * (sum(busy) / len(busy)) / hw.compute_slots  # the node's ranks spread over the stages
 
     def optimizer_time(self) -> float:
         ranks = [self.rank_params(r) for r in range(self.cfg.pp)] if self.cfg.pp > 1 else [self.rank_params(0)]
@@ -375,7 +404,7 @@ class StageModel:
         peak_r = max(range(cfg.pp), key=lambda r: totals[r])
         # Breakdown from the bottleneck rank, scaled by the microbatch count.
         b = max(range(cfg.pp), key=lambda r: times[r])
-        parts = {"compute": 0.0, "recompute": 0.0, "tp_comm": 0.0, "fsdp_comm": 0.0}
+        parts = dict.fromkeys(self.coeffs.parts["none"], 0.0)
         for n, ac in zip(a.ac[b], AC_MODES):
             for k, v in self.coeffs.parts[ac].items():
                 parts[k] += n * v
@@ -385,7 +414,9 @@ class StageModel:
                     parts[k] += v
         breakdown = {k: v * self.M for k, v in parts.items()}
         breakdown["pp_p2p"] = self.p2p * self.M
-        breakdown["bubble"] = T - self.optimizer_time() - self.dp_exposed() - times[b] * self.M
+        crit = self.critical_path(times)
+        breakdown["bubble"] = crit - self.optimizer_time() - self.dp_exposed() - times[b] * self.M
+        breakdown["shared_cores"] = T - crit
         breakdown["optimizer"] = self.optimizer_time()
         breakdown["dp_comm"] = self.dp_exposed()
         tokens = ctx.global_batch * m.seq_len
