@@ -22,4 +22,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m bench.run_all
 
-.PHONY: install demo test bench
+bench-quick: $(VENV)/.installed
+	$(PY) -m bench.run_all --quick
+
+.PHONY: install demo test bench bench-quick

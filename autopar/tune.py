@@ -96,13 +96,12 @@ def _in_turns(slots: int, fn: Callable):
 
 def _dtensor_overhead(group, device, sync, reps: int) -> tuple[float, float]:
     """Eager DTensor dispatch time (seconds, forward + backward) per tensor-parallel linear and per
-    sequence-parallel norm: tiny layers, so what is left after the local compute and the
-    collectives is the framework's own time."""
+    op on a sequence-sharded DTensor (what sequence-parallel norms run): tiny tensors, so what is
+    left after the local compute and the collectives is the framework's own time."""
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
-    )
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
     g = mesh.size()
@@ -122,11 +121,17 @@ def _dtensor_overhead(group, device, sync, reps: int) -> tuple[float, float]:
     t_tp = _timeit(fwd_bwd(tp), n, sync, group)
     t_ar = _timeit(lambda: dist.all_reduce(y, group=group), n, sync, group)
     per_linear = max(0.0, (t_tp - t_ref - 2 * t_ar) / 2)  # forward: the row's reduce; backward: the column input's
-    norm_ref, norm_sp = nn.LayerNorm(width).to(device), nn.LayerNorm(width).to(device)
-    parallelize_module(norm_sp, mesh, SequenceParallel())
-    t_nref = _timeit(lambda: norm_ref(x).sum().backward(), n, sync, group)
-    t_nsp = _timeit(lambda: norm_sp(x).to_local().sum().backward(), n, sync, group)
-    return per_linear, max(0.0, t_nsp - t_nref)
+    # A norm-like chain (mul, mean, add: 12 ops) on a sequence-sharded DTensor against plain tensors.
+    def chain(y):
+        for _ in range(4):
+            y = (y * y).mean(-1, keepdim=True) + y
+        return y
+
+    xs = DTensor.from_local(x.detach(), mesh, [Shard(1)], run_check=False).requires_grad_()
+    xl = x.detach().requires_grad_()
+    t_dt = _timeit(lambda: chain(xs).to_local().sum().backward(), n, sync, group)
+    t_local = _timeit(lambda: chain(xl).sum().backward(), n, sync, group)
+    return per_linear, max(0.0, t_dt - t_local) / 12
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
@@ -179,7 +184,7 @@ class Calibration:
 
 def _compute_benchmarks(cuda: bool, device, dtype, sync, reps: int, group) -> dict:
     """Matmul (best of a few shapes), causal attention, element-wise bandwidth by size (a curve:
-    caches on CPUs, small kernels on GPUs, page faults of fresh large allocations on CPUs), in-place
+    small kernels on GPUs, fresh activation memory on CPUs), in-place
     bandwidth of the largest buffer (the optimizer's) and the cost of one tiny op."""
     out: dict = {"matmul": []}
     shapes = [(2048, 2048, 2048), (4096, 1024, 4096), (8192, 8192, 8192)] if cuda else [(256, 256, 256), (512, 512, 512), (1024, 512, 1024)]
@@ -197,7 +202,17 @@ def _compute_benchmarks(cuda: bool, device, dtype, sync, reps: int, group) -> di
     curve = []
     for mb in ((0.25, 1, 4, 16, 64, 256, 1024) if cuda else (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)):
         x = torch.ones(int(mb * (1 << 20)) // 4, device=device)
-        t = _sustained(lambda: x.add(1.0), reps, sync, group=group)
+        kept: list = []
+
+        def op():
+            # Outputs stay alive up to a budget, as a forward pass keeps its activations: fresh
+            # memory each time (page faults on CPUs, which return freed memory to the system).
+            kept.append(x.add(1.0))
+            if len(kept) * mb >= max(256, 4 * mb):
+                kept.clear()
+
+        t = _sustained(op, reps, sync, group=group)
+        kept.clear()
         curve.append([2 * x.numel() * 4, 2 * x.numel() * 4 / t / 1e9])  # bytes moved, GB/s
         del x
     out["curve"] = curve
@@ -207,6 +222,52 @@ def _compute_benchmarks(cuda: bool, device, dtype, sync, reps: int, group) -> di
     small = torch.ones(8, device=device)
     out["op_s"] = _sustained(lambda: small.add(1.0), reps, sync, group=group)
     return out
+
+
+def _pipeline_overhead(group, device, sync, reps: int) -> float:
+    """Seconds per microbatch and stage that the pipeline schedule itself takes (forward and
+    backward actions, P2P latency excluded): a GPipe step of tiny stages over the group's ranks
+    fills ``M + stages - 1`` slots; what a slot takes beyond two tiny transfers is the runtime's."""
+    import torch.nn as nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    pg = group or dist.group.WORLD
+    g, r = dist.get_world_size(pg), dist.get_rank(pg)
+    if g < 2:
+        return 0.0
+    M = 4
+    torch.manual_seed(0)
+    stage = PipelineStage(nn.Linear(16, 16).to(device), r, g, device, group=pg)
+    sched = ScheduleGPipe(stage, n_microbatches=M, loss_fn=lambda out, tgt: (out - tgt).pow(2).sum())
+    x = torch.randn(2 * M, 16, device=device)
+
+    def step():
+        sched.step(*((x,) if r == 0 else ()), **({"target": x} if r == g - 1 else {}))
+
+    t = _timeit(step, 4 * reps, sync, pg)
+    y = torch.ones(2 * 16, device=device)
+    p2p = _timeit(_collective("send_recv", y.numel() * 4, pg, g, device, r), 4 * reps, sync, pg)
+    return max(0.0, t / (M + g - 1) - p2p)  # one send/recv round trip: a forward and a backward transfer
+
+
+def _median_over_ranks(measured: dict) -> dict:
+    """The median across ranks of every number in ``measured`` (same structure on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return measured
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, measured)
+
+    def med(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: med([v[k] for v in values]) for k in first}
+        if isinstance(first, (list, tuple)):
+            return [med([v[i] for v in values]) for i in range(len(first))]
+        if isinstance(first, (int, float)):
+            return statistics.median(values)
+        return first
+
+    return med(everyone)
 
 
 def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int = 5,
@@ -233,36 +294,49 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
 
     slots = compute_slots(world, cuda)
     measured = _in_turns(slots, lambda group: _compute_benchmarks(cuda, device, dtype, sync, reps, group))
+    measured = _median_over_ranks(measured)  # one profile for every rank
+    if not cuda:
+        # Fresh activation memory on a CPU is page-fault bound at every size; what varies between
+        # sizes is run-to-run noise, so one level (the median) is kept (the model fit scales it).
+        level = statistics.median(b for _, b in measured["curve"])
+        measured["curve"] = [[measured["curve"][0][0], level]]
     best, attn_rate, curve, bw, t_small = (measured[k] for k in ("best", "attention", "curve", "bw", "op_s"))
     points.update(matmul=measured["matmul"], memory_by_size=curve,
                   attention=[{"tflops": attn_rate / 1e12}], memory=[{"gbps": bw / 1e9, "op_us": t_small * 1e6}])
     tick("compute")
-    tp_linear = sp_module = 0.0
-    if dist.is_initialized() and world > 1:
-        tp_linear, sp_module = _in_turns(slots, lambda group: _dtensor_overhead(group, device, sync, reps))
-    points["dtensor_overhead_us"] = {"tp_linear": tp_linear * 1e6, "sp_module": sp_module * 1e6}
-    tick("DTensor overhead")
+    tp_linear = sp_op = 0.0
+    if world > 1:
+        tp_linear, sp_op = _in_turns(slots, lambda group: _dtensor_overhead(group, device, sync, reps))
+    points["dtensor_overhead_us"] = {"tp_linear": tp_linear * 1e6, "sp_op": sp_op * 1e6}
+    pp_mb = _in_turns(slots, lambda group: _pipeline_overhead(group, device, sync, reps)) if world > 1 else 0.0
+    points["pipeline_overhead_us"] = pp_mb * 1e6
+    tick("framework overheads")
 
     fitted: dict = {}
-    # Every rank creates every group, in the same order (new_group is collective).
-    group_of = {g: dist.new_group(list(range(g))) if dist.is_initialized() else None for g in groups}
+    # Groups of g ranks tile the ranks and all run at once, as TP or FSDP groups do in training
+    # (they share links, NICs or cores). Every rank creates every group, in the same order.
+    group_of = {}
+    for g in groups:
+        for start in range(0, world - world % g, g):
+            pg = dist.new_group(list(range(start, start + g))) if dist.is_initialized() else None
+            if start <= rank < start + g:
+                group_of[g] = (pg, start)
     for kind in COLLECTIVES:
         for g in groups:
             if kind == "send_recv" and g > 2:
                 continue  # point-to-point is between two ranks
-            ranks = list(range(g))
-            group = group_of[g]
-            member = rank < g
+            group, start = group_of.get(g, (None, None))
             ts = []
             for nbytes in sizes:
-                if member and not (kind == "send_recv" and rank >= 2):
-                    fn = _collective(kind, nbytes, group, g, device, ranks.index(rank))
+                if start is not None:
+                    fn = _collective(kind, nbytes, group, g, device, rank - start)
                     tt = _timeit(fn, reps, sync, group=group)
                 else:
                     tt = None
                 ts.append(tt)
                 tick(f"{kind} over {g}")
-            mine = [(n, t) for n, t in zip(sizes, ts) if t is not None]
+            # A send/recv round trip moves the message twice; the cost model prices one way.
+            mine = [(n, t / 2 if kind == "send_recv" else t) for n, t in zip(sizes, ts) if t is not None]
             gathered = [None] * world
             if dist.is_initialized():
                 dist.all_gather_object(gathered, mine)
@@ -281,7 +355,8 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     prof.update(
         name=f"{hw.name}-calibrated", peak_tflops=peak / 1e12, memory_bandwidth_gbps=bw / 1e9,
         gpus_per_node=max(world, 1), collectives=fitted, launch_us=t_small * 1e6,
-        compute_slots=slots if slots < world else 0, tp_linear_us=tp_linear * 1e6, sp_module_us=sp_module * 1e6,
+        compute_slots=slots if slots < world else 0, tp_linear_us=tp_linear * 1e6, sp_op_us=sp_op * 1e6,
+        pp_microbatch_us=pp_mb * 1e6,
         bandwidth_curve=curve,
         efficiency={**hw.efficiency, "matmul": min(1.0, best / peak), "attention": min(1.0, attn_rate / peak), "memory": 1.0},
         note=f"calibrated by autopar tune on {world} {'GPU' if cuda else 'CPU'} processes, torch {torch.__version__}",

@@ -64,6 +64,12 @@ def _fitted(hw: Hardware, kind: str, g: Group, nbytes: float) -> float | None:
     return alpha_us * 1e-6 + nbytes / (beta_gbps * 1e9)
 
 
+def collective_transfer(hw: Hardware, kind: str, nbytes: float, g: Group) -> float:
+    """The part of a collective's time that grows with the message (copies and reductions: the
+    work that occupies the processor), without the fixed latency (waiting for the peers)."""
+    return max(0.0, collective_time(hw, kind, nbytes, g) - collective_time(hw, kind, 1.0, g))
+
+
 def collective_time(hw: Hardware, kind: str, nbytes: float, g: Group) -> float:
     """Seconds for one collective of ``kind`` moving ``nbytes`` (full buffer) over group ``g``."""
     if g.size <= 1 or nbytes <= 0:

@@ -19,9 +19,11 @@ fits on a real machine:
 - ``compute_slots``: ranks of a node that can compute at the same time (0: all of them, one
   device each). CPU processes sharing fewer cores than there are ranks set it; the step is then
   at least the node's total busy time divided by the slots.
-- ``tp_linear_us``, ``sp_module_us``: framework time of eager tensor parallelism (DTensor
-  dispatch) per sharded linear and per sequence-parallel module, forward and backward together.
-  Charged only for eager runs; compiled graphs trace it away.
+- ``tp_linear_us``, ``sp_op_us``: framework time of eager tensor parallelism (DTensor dispatch)
+  per sharded linear and per op run on sequence shards under SP (the norms), forward and
+  backward together. Charged only for eager runs; compiled graphs trace it away.
+- ``pp_microbatch_us``: the pipeline schedule's own time per microbatch and stage (forward and
+  backward actions, beyond the activation transfers).
 - ``launch_us``: fixed time per executed op (framework dispatch and kernel launch); it matters for
   small models and CPU runs, not for large GPU matmuls.
 """
@@ -66,7 +68,8 @@ class Hardware:
     bandwidth_curve: list = field(default_factory=list)  # [[bytes moved, GB/s], ...] ascending
     compute_slots: int = 0  # ranks per node computing at once (0: every rank has its own device)
     tp_linear_us: float = 0.0  # eager DTensor overhead per TP linear (forward + backward)
-    sp_module_us: float = 0.0  # eager DTensor overhead per sequence-parallel module (forward + backward)
+    sp_op_us: float = 0.0  # eager DTensor overhead per op on sequence shards (forward + backward)
+    pp_microbatch_us: float = 0.0  # pipeline schedule time per microbatch and stage
     precision: str = "bf16"
     note: str = ""
 

@@ -40,8 +40,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from autopar.analysis import BlockProfile, ModelProfile
-from autopar.cost_models.comm import Group, collective_time, group_on_mesh
+from autopar.cost_models.comm import Group, collective_time, collective_transfer, group_on_mesh
 from autopar.cost_models.compute import node_times
 from autopar.cost_models.hardware import Hardware
 from autopar.errors import AutoparError
@@ -139,6 +141,7 @@ class LayerCoeffs:
     working_param: float  # unsharded bytes of one layer's parameters (FSDP)
     parts: dict  # named components for the breakdown (ac -> {name: seconds})
     backward_ws: float  # one layer's backward working set (bytes)
+    hidden_comm: dict = field(default_factory=dict)  # ac -> comm seconds overlapped with compute
 
 
 @dataclass
@@ -198,14 +201,10 @@ class StageModel:
         if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
             tp_fwd, tp_bwd = tp_fwd * 0.3, tp_bwd * 0.3
         p_local = b.params_tp / tp + b.params_rep
-        ag = rs = 0.0
-        if cfg.fsdp and cfg.dp_shard > 1:
-            ag = collective_time(hw, "all_gather", p_local * ctx.act_bytes, self.g_shard)
-            rs = collective_time(hw, "reduce_scatter", p_local * 4, self.g_shard)
-            if cfg.dp_replicate > 1:
-                rs += collective_time(hw, "all_reduce", p_local * 4 / cfg.dp_shard, self.g_rep)
-        eager = self._eager_tp_overhead(b.tp_linears, len(b.sequence_modules))
-        time, parts, act = {}, {}, {}
+        ag, rs, busy = self._fsdp_collectives(p_local, cfg.reshard)
+        # Under SP the sequence region's ops (norms; residual adds are counted too) run on DTensors.
+        eager = self._eager_tp_overhead(b.tp_linears, int(np.count_nonzero(~b.costs.tp)))
+        time, parts, act, hidden = {}, {}, {}, {}
         seq_div = tp if sp else 1
         for ac in AC_MODES:
             comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1)
@@ -218,18 +217,35 @@ class StageModel:
                 "tp_eager_overhead": eager * (4 / 3 if ac == "full" else 1.0),
             }
             time[ac] = sum(parts[ac].values())
+            hidden[ac] = max(0.0, busy - parts[ac]["fsdp_comm"])
             s_tp, s_rep = b.saved[ac]
             act[ac] = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
         s_tp, s_rep = b.saved["none"]
         ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
-        return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws)
+        return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws, hidden)
 
-    def _eager_tp_overhead(self, linears: int, sequence_modules: int) -> float:
+    def _fsdp_collectives(self, p_local: float, reshard: bool) -> tuple[float, float, float]:
+        """FSDP per layer: all-gather and reduce-scatter seconds (HSDP adds the replica all-reduce
+        to the latter), and the processor time of all of them (``collective_transfer``)."""
+        cfg, ctx, hw = self.cfg, self.ctx, self.ctx.hw
+        if not (cfg.fsdp and cfg.dp_shard > 1):
+            return 0.0, 0.0, 0.0
+        ag_bytes, rs_bytes = p_local * ctx.act_bytes, p_local * 4
+        ag = collective_time(hw, "all_gather", ag_bytes, self.g_shard)
+        rs = collective_time(hw, "reduce_scatter", rs_bytes, self.g_shard)
+        busy = (collective_transfer(hw, "all_gather", ag_bytes, self.g_shard) * (2 if reshard else 1)
+                + collective_transfer(hw, "reduce_scatter", rs_bytes, self.g_shard))
+        if cfg.dp_replicate > 1:
+            rs += collective_time(hw, "all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
+            busy += collective_transfer(hw, "all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
+        return ag, rs, busy
+
+    def _eager_tp_overhead(self, linears: int, sequence_ops: int) -> float:
         """Seconds of DTensor dispatch per microbatch (forward and backward) in an eager run."""
         cfg, hw = self.cfg, self.ctx.hw
         if self.ctx.compiled or cfg.tp == 1:
             return 0.0
-        return (linears * hw.tp_linear_us + (sequence_modules * hw.sp_module_us if cfg.sp else 0.0)) * 1e-6
+        return (linears * hw.tp_linear_us + (sequence_ops * hw.sp_op_us if cfg.sp else 0.0)) * 1e-6
 
     def _times(self, costs, mb: int, tp: int, sp: bool, fp8: bool):
         key = (id(costs), mb, tp, sp, fp8)
@@ -250,6 +266,7 @@ class StageModel:
             working_param=max(c.working_param for c in cs),
             parts={a: {k: avg(lambda c: c.parts[a][k]) for k in cs[0].parts[a]} for a in AC_MODES},
             backward_ws=max(c.backward_ws for c in cs),
+            hidden_comm={a: avg(lambda c: c.hidden_comm[a]) for a in AC_MODES},
         )
 
     def _state_bytes(self, p_local: float) -> float:
@@ -271,10 +288,7 @@ class StageModel:
         for name, prof in (("pre", m.pre), ("post", m.post)):
             ct = self._times(prof.costs, mb, tp, cfg.sp, False)
             p_local = prof.params_vocab / tp + prof.params_rep
-            ag = rs = 0.0
-            if cfg.fsdp and cfg.dp_shard > 1:
-                ag = collective_time(hw, "all_gather", p_local * ctx.act_bytes, self.g_shard)
-                rs = collective_time(hw, "reduce_scatter", p_local * 4, self.g_shard)
+            ag, rs, busy = self._fsdp_collectives(p_local, True)
             fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
             tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
                        for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
@@ -285,13 +299,16 @@ class StageModel:
                 "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_t, "fsdp_comm": fsdp, "tp_eager_overhead": eager},
                 "static": self._state_bytes(p_local),
                 "working": p_local * ctx.act_bytes,
+                "hidden_comm": max(0.0, busy - fsdp),
                 "act": saved,
                 "flops": ct.flops,
             }
         hid = mb * m.seq_len * m.hidden * ctx.act_bytes / (tp if cfg.sp else 1)
-        self.p2p = 0.0
+        self.p2p = self.pp_runtime = 0.0
         if cfg.pp > 1:
             self.p2p = 2 * collective_time(hw, "send_recv", hid, self.g_pp) * cfg.v
+            # The schedule's own time per microbatch and stage chunk (forward and backward actions).
+            self.pp_runtime = hw.pp_microbatch_us * 1e-6 * cfg.v
 
     # -- per rank -----------------------------------------------------------------------------
     def inflight(self, r: int) -> float:
@@ -313,7 +330,7 @@ class StageModel:
             t += self.outer["pre"]["time"]
         if r == self.cfg.pp - 1:
             t += self.outer["post"]["time"]
-        return t + self.p2p
+        return t + self.p2p + self.pp_runtime
 
     def rank_memory(self, r: int, ac: tuple[int, int, int]) -> dict:
         cfg, c = self.cfg, self.coeffs
@@ -361,8 +378,19 @@ class StageModel:
         on_node = min(self.cfg.world, hw.gpus_per_node)
         if not hw.compute_slots or hw.compute_slots >= on_node:
             return 0.0
-        busy = [self.M * t + self.optimizer_time() + self.dp_exposed() for t in rank_times]
+        # Overlapped communication still occupies the shared cores (gloo reduces and copies on them).
+        busy = [self.M * (t + self.rank_hidden_comm(r)) + self.optimizer_time() + self.dp_busy()
+                for r, t in enumerate(rank_times)]
         return on_node * (sum(busy) / len(busy)) / hw.compute_slots  # the node's ranks spread over the stages
+
+    def rank_hidden_comm(self, r: int) -> float:
+        """Communication overlapped with compute on rank ``r`` per microbatch (balanced layers, no AC)."""
+        t = self.balanced_layers()[r] * self.coeffs.hidden_comm["none"]
+        if r == 0:
+            t += self.outer["pre"]["hidden_comm"]
+        if r == self.cfg.pp - 1:
+            t += self.outer["post"]["hidden_comm"]
+        return t
 
     def optimizer_time(self) -> float:
         ranks = [self.rank_params(r) for r in range(self.cfg.pp)] if self.cfg.pp > 1 else [self.rank_params(0)]
@@ -395,6 +423,15 @@ class StageModel:
         window = self.coeffs.parts["none"]["compute"] * 2 / 3 * max(1, self.balanced_layers()[0])
         return max(0.0, ar - window) + collective_time(hw, "all_reduce", min(p * 4, 25e6), self.g_dp)
 
+    def dp_busy(self) -> float:
+        """Processor time of the data-parallel gradient all-reduce (without FSDP): its exposed
+        part, or its transfer work where that is larger (overlapped, it still runs on the cores)."""
+        cfg = self.cfg
+        if cfg.dp == 1 or cfg.fsdp:
+            return 0.0
+        p = max(self.rank_params(r) for r in range(cfg.pp))
+        return max(self.dp_exposed(), collective_transfer(self.ctx.hw, "all_reduce", p * 4, self.g_dp))
+
     def evaluate(self, a: Assignment) -> Estimate:
         cfg, ctx, m = self.cfg, self.ctx, self.ctx.model
         times = [self.rank_time(r, a.ac[r]) for r in range(cfg.pp)]
@@ -414,6 +451,7 @@ class StageModel:
                     parts[k] += v
         breakdown = {k: v * self.M for k, v in parts.items()}
         breakdown["pp_p2p"] = self.p2p * self.M
+        breakdown["pp_runtime"] = self.pp_runtime * self.M
         crit = self.critical_path(times)
         breakdown["bubble"] = crit - self.optimizer_time() - self.dp_exposed() - times[b] * self.M
         breakdown["shared_cores"] = T - crit
