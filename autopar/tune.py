@@ -371,10 +371,12 @@ def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, exa
 
     One forward and backward of the real model is timed (wall clock) and profiled; the profiler's
     split of the time into matmuls, attention kernels and everything else, set against the cost
-    model's roofline for the same traced nodes at full efficiency, gives each kind's efficiency:
-    ``e = predicted at e=1 / measured``. The memory-bound kind first subtracts the per-op cost
-    (``launch_us``) the profile already charges. Microbenchmarks pin the machine's peaks; this fits
-    what the model's shapes achieve of them (skinny matmuls, fresh activation memory)."""
+    model's pricing of the same traced nodes, gives each kind's efficiency: the one at which the
+    priced time (roofline plus the profile's per-op cost) equals the measured time, found by
+    bisection (memory-bound ops first, since matmuls and attention can be memory-bound in part).
+    Microbenchmarks pin the machine's peaks; this fits what the model's shapes achieve of them
+    (skinny matmuls, fresh activation memory). An efficiency stops at 1 (4 for memory, which is
+    relative to the measured bandwidth curve)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from autopar import api
@@ -413,28 +415,39 @@ def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, exa
     measured = {k: wall * v / total for k, v in split.items()}
 
     traced = api.profile_model(model, example_inputs=example_inputs, loss_fn=loss_fn).profile
-    ideal = load_hardware({**hw.to_dict(), "efficiency": {**hw.efficiency, "matmul": 1.0, "attention": 1.0, "memory": 1.0}})
-    no_launch = load_hardware({**ideal.to_dict(), "launch_us": 0.0})
-    predicted = {KIND_MATMUL: 0.0, KIND_ATTN: 0.0, KIND_OTHER: 0.0}
-    launch = 0.0
-    segments = [b.costs for b in traced.layer_sequence()] + [traced.pre.costs, traced.post.costs]
-    for costs in segments:
-        for kind in predicted:
-            sub = costs.subset(costs.kind == kind)
-            kw = dict(mb=int(ids.shape[0]), tp=1, sp=False, compiled=False)
-            t0, t1 = node_times(sub, no_launch, **kw), node_times(sub, ideal, **kw)
-            predicted[kind] += t0.fwd + t0.bwd
-            if kind == KIND_OTHER:
-                launch += (t1.fwd + t1.bwd) - (t0.fwd + t0.bwd)
+    segments: dict = {}  # distinct node lists and how often they run
+    for costs in [b.costs for b in traced.layer_sequence()] + [traced.pre.costs, traced.post.costs]:
+        segments.setdefault(id(costs), [costs, 0])[1] += 1
+    names = {KIND_MATMUL: "matmul", KIND_ATTN: "attention", KIND_OTHER: "memory"}
+    eff = {**hw.efficiency, "matmul": 1.0, "attention": 1.0, "memory": 1.0}
 
-    def ratio(pred: float, meas: float, hi: float) -> float:
-        return float(min(hi, max(0.01, pred / meas))) if meas > 0 and pred > 0 else 1.0
+    def priced(kind: int, e: dict) -> float:
+        """The model's nodes of ``kind``, forward and backward, as the cost model prices them."""
+        h = load_hardware({**hw.to_dict(), "efficiency": e})
+        t = 0.0
+        for costs, n in segments.values():
+            ct = node_times(costs.subset(costs.kind == kind), h, mb=int(ids.shape[0]), tp=1, sp=False, compiled=False)
+            t += n * (ct.fwd + ct.bwd)
+        return t
 
-    eff = {
-        "matmul": ratio(predicted[KIND_MATMUL], measured[KIND_MATMUL], 1.0),
-        "attention": ratio(predicted[KIND_ATTN], measured[KIND_ATTN], 1.0),
-        "memory": ratio(predicted[KIND_OTHER], max(measured[KIND_OTHER] - launch, 0.25 * measured[KIND_OTHER]), 4.0),
-    }
+    # Memory-bound ops first (matmuls and attention may be memory-bound in part), then the others.
+    # Priced time falls as the efficiency grows: bisect (in log) for the one that matches.
+    predicted = {}
+    for kind, hi in ((KIND_OTHER, 4.0), (KIND_MATMUL, 1.0), (KIND_ATTN, 1.0)):
+        key = names[kind]
+        predicted[key] = priced(kind, {**eff, key: 1.0})
+        lo, up = 0.01, hi
+        if measured[kind] <= 0 or priced(kind, {**eff, key: up}) >= measured[kind]:
+            eff[key] = up  # as fast as the bound allows, or nothing of this kind
+            continue
+        if priced(kind, {**eff, key: lo}) <= measured[kind]:
+            eff[key] = lo
+            continue
+        for _ in range(40):
+            mid = math.sqrt(lo * up)
+            lo, up = (mid, up) if priced(kind, {**eff, key: mid}) > measured[kind] else (lo, mid)
+        eff[key] = math.sqrt(lo * up)
+    eff = {k: float(eff[k]) for k in ("matmul", "attention", "memory")}
     if dist.is_initialized():  # one profile for all ranks: the slowest rank's efficiencies
         allv = [None] * dist.get_world_size()
         dist.all_gather_object(allv, eff)
@@ -442,11 +455,9 @@ def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, exa
     prof_out = {**hw.to_dict(), "efficiency": {**hw.efficiency, **eff},
                 "note": (hw.note + "; " if hw.note else "") + f"compute efficiencies fitted to {traced.name} "
                         f"(batch {ids.shape[0]} x {ids.shape[1]})"}
-    names = {KIND_MATMUL: "matmul", KIND_ATTN: "attention", KIND_OTHER: "memory"}
     points = {"model": traced.name, "wall_s": wall,
               "measured_s": {names[k]: v for k, v in measured.items()},
-              "predicted_at_full_efficiency_s": {names[k]: v for k, v in predicted.items()},
-              "per_op_s": launch, "efficiency": eff}
+              "predicted_at_full_efficiency_s": predicted, "efficiency": eff}
     return Calibration(prof_out, points)
 
 

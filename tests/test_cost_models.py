@@ -7,7 +7,7 @@ import pytest
 
 from autopar.analysis import KIND_ATTN, KIND_MATMUL, KIND_OTHER, NodeCosts
 from autopar.cost_models import Config, CostContext, estimate, load_hardware
-from autopar.cost_models.comm import Group, collective_time, group_on_mesh
+from autopar.cost_models.comm import Group, collective_time, collective_transfer, group_on_mesh
 from autopar.cost_models.compute import node_times
 from autopar.cost_models.step import GiB, StageModel, uniform_assignment
 from autopar.errors import AutoparError
@@ -136,3 +136,58 @@ def test_bandwidth_curve_by_op_size():
     assert ct.fwd == pytest.approx(1e6 / (2000e9 * eff) + 1e9 / (500e9 * eff))
     flat = node_times(costs, HW, mb=1, tp=1, sp=False, compiled=False)
     assert flat.fwd == pytest.approx((1e6 + 1e9) / (HW.memory_bandwidth_gbps * 1e9 * eff))
+
+
+def test_collective_transfer_drops_the_latency():
+    hw = load_hardware({**HW.to_dict(), "collectives": {"all_gather": {"4": [300.0, 2.0]}}})
+    assert collective_transfer(hw, "all_gather", 2e9, Group(4, 4)) == pytest.approx(1.0, rel=1e-6)
+    # Analytic ring: (G-1) alpha of latency, the rest is the transfer.
+    g = Group(8, 8)
+    full = collective_time(HW, "all_gather", 1e9, g)
+    assert collective_transfer(HW, "all_gather", 1e9, g) == pytest.approx(full - 7 * HW.latency_us["intra"] * 1e-6, rel=1e-3)
+
+
+def _cpu_profile(**kw):
+    base = {"name": "cpu-test", "peak_tflops": 0.1, "memory_gb": 8, "memory_bandwidth_gbps": 10, "gpus_per_node": 4,
+            "intra_node_gbps": 1, "inter_node_gbps": 1, "precision": "fp32", "reserve_gb": 0,
+            "collectives": {k: {"2": [200.0, 1.0], "4": [400.0, 1.0]} for k in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")}}
+    return load_hardware({**base, **kw})
+
+
+@pytest.mark.parametrize("cfg", [Config(dp=4, mb=2), Config(dp=4, dp_shard=4, fsdp=True, mb=2),
+                                 Config(pp=4, mb=2, schedule="1f1b"), Config(tp=4, mb=8)])
+def test_shared_cores_bound_the_step_by_total_busy_time(llama_small, cfg):
+    """Four ranks on two compute slots: the step is at least the node's busy time over 2 (compute
+    plus the processor time of overlapped comm), the breakdown names the difference, and ranks
+    idle in a pipeline bubble give their share to the others."""
+    own = _cpu_profile()
+    shared = _cpu_profile(compute_slots=2)
+    ctx_own, ctx_shared = (CostContext(llama_small, hw, 8, "fp32", compiled=False) for hw in (own, shared))
+    e_own, e_shared = estimate(ctx_own, cfg), estimate(ctx_shared, cfg)
+    sm = StageModel(ctx_shared, cfg)
+    times = [sm.rank_time(r, a) for r, a in enumerate(uniform_assignment(sm, "none").ac)]
+    busy = [sm.M * (t + sm.rank_hidden_comm(r)) + sm.optimizer_time() + sm.dp_busy() for r, t in enumerate(times)]
+    assert e_shared.step_time_s == pytest.approx(max(sm.critical_path(times), 4 * (sum(busy) / len(busy)) / 2))
+    assert e_shared.step_time_s >= e_own.step_time_s
+    assert sum(e_shared.breakdown.values()) == pytest.approx(e_shared.step_time_s)
+    assert e_shared.breakdown["shared_cores"] == pytest.approx(e_shared.step_time_s - e_own.step_time_s)
+    if cfg.pp > 1:  # the bubble is absorbed: less than twice the dedicated-device step
+        assert e_shared.step_time_s < 2 * e_own.step_time_s
+    else:
+        assert e_shared.step_time_s >= 2 * (e_own.step_time_s - e_own.breakdown["dp_comm"]) * 0.999
+
+
+def test_eager_tp_and_pipeline_runtime_terms(llama_small):
+    hw = _cpu_profile(tp_linear_us=1000.0, sp_op_us=50.0, pp_microbatch_us=700.0)
+    b = llama_small.blocks[0]
+    n_seq_ops = int(np.count_nonzero(~b.costs.tp))
+    eager, compiled = (CostContext(llama_small, hw, 8, "fp32", compiled=c) for c in (False, True))
+    tp_sp = Config(tp=2, sp=True, mb=8)
+    e = estimate(eager, tp_sp)
+    per_mb = llama_small.n_layers * (b.tp_linears * 1e-3 + n_seq_ops * 50e-6) + 2 * 1e-3  # + embedding and head
+    assert e.breakdown["tp_eager_overhead"] == pytest.approx(per_mb)
+    assert estimate(compiled, tp_sp).breakdown["tp_eager_overhead"] == 0.0
+    no_sp = estimate(eager, Config(tp=2, mb=8)).breakdown["tp_eager_overhead"]
+    assert no_sp == pytest.approx(llama_small.n_layers * b.tp_linears * 1e-3 + 2e-3)
+    pp = estimate(eager, Config(pp=2, mb=2, schedule="interleaved", v=2))
+    assert pp.breakdown["pp_runtime"] == pytest.approx(4 * 2 * 700e-6)  # M=4 microbatches, v=2 chunks each

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,37 @@ def test_calibrate_command_four_processes(tmp_path):
             alpha, beta = prof["collectives"][kind][g]
             assert alpha >= 0 and beta > 0
     assert png.exists() and png.stat().st_size > 1000
+    # Four processes share this machine's cores when it has fewer than four (one thread each).
+    slots = min(4, os.cpu_count() or 1)
+    assert hw.compute_slots == (slots if slots < 4 else 0)
+    assert hw.tp_linear_us > 0 and hw.sp_op_us >= 0 and hw.pp_microbatch_us >= 0
+    assert len(hw.bandwidth_curve) >= 1 and all(b > 0 for _, b in hw.bandwidth_curve)
+    assert "eager overheads" in r.stdout
+
+
+def test_model_fit_reproduces_the_measured_step():
+    """Efficiencies fitted to the model's own operators: priced with the fitted profile, the
+    model's forward and backward at the calibration batch takes what was measured (each kind's
+    share of the wall clock), unless an efficiency hit its bound."""
+    from autopar import api
+    from autopar.analysis import KIND_ATTN, KIND_MATMUL, KIND_OTHER
+    from autopar.cost_models.compute import node_times
+
+    ids, _ = batch(2)
+    base = load_hardware("cpu-gloo")
+    fit = tune.calibrate_model(base, lambda: build("llama-tiny"), (ids,), reps=2)
+    hw = load_hardware(fit.profile)
+    pts = fit.points
+    assert pts["wall_s"] > 0 and sum(pts["measured_s"].values()) == pytest.approx(pts["wall_s"])
+    prof = api.profile_model(build("llama-tiny"), example_inputs=(ids,)).profile
+    names = {KIND_MATMUL: "matmul", KIND_ATTN: "attention", KIND_OTHER: "memory"}
+    for kind, name in names.items():
+        e = hw.eff(name)
+        assert 0.01 <= e <= (4.0 if name == "memory" else 1.0)
+        if not 0.01 < e < (4.0 if name == "memory" else 1.0):
+            continue  # clamped: the fit cannot reproduce it
+        t = 0.0
+        for costs in [b.costs for b in prof.layer_sequence()] + [prof.pre.costs, prof.post.costs]:
+            ct = node_times(costs.subset(costs.kind == kind), hw, mb=ids.shape[0], tp=1, sp=False, compiled=False)
+            t += ct.fwd + ct.bwd
+        assert t == pytest.approx(pts["measured_s"][name], rel=1e-6), name
