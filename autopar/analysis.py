@@ -24,7 +24,8 @@ For each distinct block graph (see ``capture``):
   selective AC as in torchtitan) and recomputes the element-wise ops.
 
 Outside the blocks (embedding, final norm, head, loss) ops are recorded by the capture's dispatch
-mode; ops touching a vocabulary-sized dimension are vocabulary-parallel under TP.
+mode; under TP only the vocabulary matmul (the head) divides by the degree: the executor gathers the
+logits, so the loss and what it saves are whole on every rank.
 """
 
 from __future__ import annotations
@@ -509,7 +510,10 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
 
 def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProfile:
     recs = [r for r in trace.ops if r.segment == segment and r.name not in VIEW_OPS]
-    vocab_op = [any(vocab in s for s in r.out_shapes + r.in_shapes) for r in recs]
+    # Under TP only the vocabulary matmul (the head) is split; the embedding writes its whole
+    # output on every rank, and the head's logits are gathered, so the loss runs whole on every
+    # rank too (no loss-parallel cross-entropy in the executor).
+    vocab_op = [r.name in MATMUL_OPS and any(vocab in s for s in r.out_shapes + r.in_shapes) for r in recs]
     costs = NodeCosts(
         names=[r.name for r in recs],
         flops=np.array([r.flops for r in recs], dtype=np.float64) / batch,
@@ -531,8 +535,10 @@ def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProf
             pv += math.prod(shape)
         else:
             pr += math.prod(shape)
-    sv = sum(s.bytes for s in trace.saved if s.segment == segment and vocab in s.shape) / batch
-    sr = sum(s.bytes for s in trace.saved if s.segment == segment and vocab not in s.shape) / batch
+    # Saved for backward: after the head everything is whole (gathered logits, the loss's softmax).
+    split = segment == "pre"
+    sv = sum(s.bytes for s in trace.saved if s.segment == segment and split and vocab in s.shape) / batch
+    sr = sum(s.bytes for s in trace.saved if s.segment == segment and not (split and vocab in s.shape)) / batch
     return OuterProfile(costs, pv, pr, sv, sr)
 
 

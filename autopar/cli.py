@@ -170,7 +170,8 @@ def _tune(args) -> int:
               f"efficiency matmul {cal.profile['efficiency']['matmul']:.2f} attention "
               f"{cal.profile['efficiency']['attention']:.2f} memory {cal.profile['efficiency']['memory']:.2f}, memory "
               f"{cal.profile['memory_bandwidth_gbps']:.1f} GB/s, per-op {cal.profile['launch_us']:.1f} us")
-        print(f"  shared compute slots {cal.profile['compute_slots'] or 'none (a device per rank)'}; eager overheads: "
+        slots = cal.profile['compute_slots']
+        print(f"  shared compute slots {f'{slots:.2f}' if slots else 'none (a device per rank)'}; eager overheads: "
               f"{cal.profile['tp_linear_us']:.0f} us per TP linear, {cal.profile['sp_op_us']:.0f} us per SP op, "
               f"{cal.profile['pp_microbatch_us']:.0f} us per pipeline microbatch and stage")
         if "model" in cal.points:

@@ -413,6 +413,15 @@ def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, exa
     wall, split = _in_turns(hw.compute_slots or world, run)  # one rank's own speed, as in calibrate
     total = sum(split.values()) or 1.0
     measured = {k: wall * v / total for k, v in split.items()}
+    slots = hw.compute_slots
+    if slots and slots < world:
+        # The same step on every rank at once: how much work the node really gets through with
+        # all ranks busy (caches and memory are shared too), as a number of slots.
+        t_all = _timeit(fwd_bwd, reps, sync)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, world * wall / t_all)
+        measured_slots = statistics.median(everyone)
+        slots = 0.0 if measured_slots >= world else max(1.0, measured_slots)
 
     traced = api.profile_model(model, example_inputs=example_inputs, loss_fn=loss_fn).profile
     segments: dict = {}  # distinct node lists and how often they run
@@ -452,12 +461,12 @@ def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, exa
         allv = [None] * dist.get_world_size()
         dist.all_gather_object(allv, eff)
         eff = {k: min(v[k] for v in allv) for k in eff}
-    prof_out = {**hw.to_dict(), "efficiency": {**hw.efficiency, **eff},
+    prof_out = {**hw.to_dict(), "efficiency": {**hw.efficiency, **eff}, "compute_slots": slots,
                 "note": (hw.note + "; " if hw.note else "") + f"compute efficiencies fitted to {traced.name} "
                         f"(batch {ids.shape[0]} x {ids.shape[1]})"}
     points = {"model": traced.name, "wall_s": wall,
               "measured_s": {names[k]: v for k, v in measured.items()},
-              "predicted_at_full_efficiency_s": predicted, "efficiency": eff}
+              "predicted_at_full_efficiency_s": predicted, "efficiency": eff, "compute_slots": slots}
     return Calibration(prof_out, points)
 
 

@@ -16,8 +16,9 @@ fits on a real machine:
   ascending. A memory-bound op runs at the bandwidth interpolated (in log size) at the bytes it
   moves, instead of the flat ``memory_bandwidth_gbps``: on CPUs small activations stay in cache
   and very large fresh allocations pay page faults; on GPUs small kernels never reach peak.
-- ``compute_slots``: ranks of a node that can compute at the same time (0: all of them, one
-  device each). CPU processes sharing fewer cores than there are ranks set it; the step is then
+- ``compute_slots``: how many ranks' worth of compute a node runs at once (0: all of them, one
+  device each). CPU processes sharing fewer cores than there are ranks set it (calibration
+  measures it: the model's step on every rank at once against one rank alone); the step is then
   at least the node's total busy time divided by the slots.
 - ``tp_linear_us``, ``sp_op_us``: framework time of eager tensor parallelism (DTensor dispatch)
   per sharded linear and per op run on sequence shards under SP (the norms), forward and
@@ -66,7 +67,7 @@ class Hardware:
     reserve_gb: float = 2.0
     launch_us: float = 0.0  # fixed cost per executed op (eager dispatch, kernel launch)
     bandwidth_curve: list = field(default_factory=list)  # [[bytes moved, GB/s], ...] ascending
-    compute_slots: int = 0  # ranks per node computing at once (0: every rank has its own device)
+    compute_slots: float = 0.0  # ranks' worth of compute a node runs at once (0: a device per rank)
     tp_linear_us: float = 0.0  # eager DTensor overhead per TP linear (forward + backward)
     sp_op_us: float = 0.0  # eager DTensor overhead per op on sequence shards (forward + backward)
     pp_microbatch_us: float = 0.0  # pipeline schedule time per microbatch and stage
