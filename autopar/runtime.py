@@ -58,15 +58,16 @@ def _world(mesh: Any) -> tuple[int, str]:
 
 def _resolve_plan(plan: Any, model: nn.Module, world: int, prof: "api.Profiled", *, example_inputs, hardware,
                   global_batch, memory_limit_gb, loss_fn, device: str) -> Plan:
-    """A Plan from what the user passed ("auto", pins, a Plan, or a JSON path), checked against
-    this model's fingerprint and the world size."""
-    if isinstance(plan, Plan) or (isinstance(plan, str) and plan != "auto"):
+    """A Plan from what the user passed ("auto", pins as a dict or ``"tp=2,sp=1"``, a Plan, or a
+    JSON path), checked against this model's fingerprint and the world size."""
+    is_pins = isinstance(plan, dict) or (isinstance(plan, str) and "=" in plan and not os.path.exists(plan))
+    if not is_pins and (isinstance(plan, Plan) or (isinstance(plan, str) and plan != "auto")):
         p = plan if isinstance(plan, Plan) else Plan.load(plan)
         p.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
         return p
     hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
     gb = global_batch or int(example_inputs[0].shape[0])
-    pins = plan if isinstance(plan, dict) else None
+    pins = plan if is_pins else None
     return api.plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb, pin=pins,
                     memory_limit_gb=memory_limit_gb, precision=api.model_precision(model), loss_fn=loss_fn,
                     profiled=prof)

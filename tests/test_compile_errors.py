@@ -127,3 +127,14 @@ def test_checkpointed_block_still_compiles(mode):
     blk(x, m.rope_cos[:64], m.rope_sin[:64]).sum().backward()
     assert counters["stats"]["unique_graphs"] >= 1
     assert not counters["graph_break"]
+
+
+def test_plan_given_as_pin_string():
+    m = build("llama-tiny")
+    ids, _ = batch(1)
+    pm = autopar.compile(m, 1, example_inputs=(ids,), plan="ac=full,mb=2", global_batch=8, compile=False)
+    assert pm.plan.mb == 2 and {l.ac for l in pm.plan.layers} == {"full"}
+    with pytest.raises(AutoparError, match="tp"):
+        autopar.compile(build("llama-tiny"), 1, example_inputs=(ids,), plan="tp=2", compile=False)
+    with pytest.raises(AutoparError, match="cannot read plan"):
+        autopar.compile(build("llama-tiny"), 1, example_inputs=(ids,), plan="no_such_plan.json", compile=False)
