@@ -44,7 +44,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from autopar.cost_models.step import (
     AC_MODES, SCHEDULES, Assignment, Config, CostContext, Estimate, StageModel, divisors,
-    valid_tp_degrees, validate_config,
+    valid_tp_degrees,
 )
 from autopar.errors import AutoparError, InfeasibleError
 

@@ -214,11 +214,9 @@ def _compute_benchmarks(cuda: bool, device, dtype, sync, reps: int, group) -> di
         t = _sustained(op, reps, sync, group=group)
         kept.clear()
         curve.append([2 * x.numel() * 4, 2 * x.numel() * 4 / t / 1e9])  # bytes moved, GB/s
-        del x
     out["curve"] = curve
-    x = torch.ones(int(curve[-1][0]) // 8, device=device)
-    out["bw"] = 2 * x.numel() * 4 / _sustained(lambda: x.add_(1.0), reps, sync, group=group)
-    del x
+    big = torch.ones(int(curve[-1][0]) // 8, device=device)
+    out["bw"] = 2 * big.numel() * 4 / _sustained(lambda: big.add_(1.0), reps, sync, group=group)
     small = torch.ones(8, device=device)
     out["op_s"] = _sustained(lambda: small.add(1.0), reps, sync, group=group)
     return out

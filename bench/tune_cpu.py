@@ -16,7 +16,6 @@ import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 
 from bench.common import RESULTS, write
 

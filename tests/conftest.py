@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar import analysis, api, capture, models
+from autopar import analysis, capture, models
 
 
 @functools.lru_cache(maxsize=None)

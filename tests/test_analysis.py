@@ -1,6 +1,5 @@
 """Capture and analysis: pairs, heads, regions and saved activations, on several model families."""
 
-import math
 import resource
 
 import pytest

@@ -2,7 +2,6 @@
 process: the loss and every gradient after one step, and the loss over three AdamW steps."""
 
 import pytest
-import torch
 
 from tests import dist_harness
 

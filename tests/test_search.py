@@ -1,7 +1,6 @@
 """Search against brute force, determinism, pins, and clear errors."""
 
 import itertools
-import math
 
 import pytest
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import autopar
 from autopar import tune

@@ -14,8 +14,9 @@ fits on a real machine:
 - ``reserve_gb``: memory the framework holds beyond the model (context, workspace, fragmentation).
 - ``bandwidth_curve``: measured ``[[bytes_moved, GB/s], ...]`` of an element-wise op by size,
   ascending. A memory-bound op runs at the bandwidth interpolated (in log size) at the bytes it
-  moves, instead of the flat ``memory_bandwidth_gbps``: on CPUs small activations stay in cache
-  and very large fresh allocations pay page faults; on GPUs small kernels never reach peak.
+  moves, instead of the flat ``memory_bandwidth_gbps`` (which the optimizer's in-place update
+  uses): on GPUs small kernels never reach peak; on CPUs calibration stores one level, since fresh
+  activation memory is page-fault bound at every size.
 - ``compute_slots``: how many ranks' worth of compute a node runs at once (0: all of them, one
   device each). CPU processes sharing fewer cores than there are ranks set it (calibration
   measures it: the model's step on every rank at once against one rank alone); the step is then

@@ -472,7 +472,6 @@ class StageModel:
         out = []
         n = max(a.layers)
         n_full = max(x[2] for x in a.ac)
-        act_msg = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes
         if cfg.tp > 1 and m.blocks:
             for kind, nbytes, nf, nb, why in tp_layer_collectives(m.blocks[0], cfg, ctx):
                 count = (nf * (n + n_full) + nb * n) * M
