@@ -50,8 +50,9 @@ def _worker(rank: int, port: int) -> None:
         loss = pm.step(ids, target=tgt)
         norm = pm.clip_grad_norm_(1.0)
         opt.step()
+        value = loss.item()  # every rank reads its loss: the all-reduce behind it completes
         if rank == 0:
-            print(f"[rank 0] step {step}: loss {loss.item():.5f}  grad norm {norm.item():.4f}")
+            print(f"[rank 0] step {step}: loss {value:.5f}  grad norm {norm.item():.4f}")
     dist.barrier()
     dist.destroy_process_group()
 

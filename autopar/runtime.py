@@ -214,7 +214,14 @@ class ParallelModule:
 
     # -- training ----------------------------------------------------------------------------
     def step(self, ids: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of one global batch; returns the mean loss (same on every rank)."""
+        """Forward and backward of one global batch; returns the mean loss (same on every rank).
+
+        With several ranks the loss is an asynchronous all-reduce, complete when read; one never
+        read is waited for at the next step (read the last one on every rank before tearing the
+        process group down, or torch warns that it was never waited for)."""
+        pending, self._pending_loss = getattr(self, "_pending_loss", None), None
+        if pending is not None and hasattr(pending, "wait"):
+            pending.wait()
         plan = self.plan
         B = ids.shape[0]
         if B % (plan.dp * plan.mb):
@@ -244,6 +251,7 @@ class ParallelModule:
             # A functional collective: waited on only when the loss is read, so it overlaps with
             # whatever the training loop does next (the optimizer step).
             loss = funcol.all_reduce(loss / plan.dp, "sum", self._dp_group)
+        self._pending_loss = loss
         return loss
 
     def _schedule(self, M: int):
