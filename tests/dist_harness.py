@@ -58,6 +58,9 @@ def run_case(world: int, case: dict) -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     out = {"name": case["name"], "plan": pm.plan.as_config_string(), "losses": [], "ref_losses": []}
+    if pm.plan.pp == 1:
+        with torch.no_grad():  # the layout the loss gets (a strided one makes its softmax slow)
+            out["logits_contiguous"] = pm.module(ids[:1]).is_contiguous()
     for step in range(case.get("steps", 3)):
         ids, tgt = batch(100 + step, B=case.get("batch", 8))
         ref_opt.zero_grad()

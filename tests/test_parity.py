@@ -100,6 +100,7 @@ def test_parity_world2_auto_and_tp2():
     res = dist_harness.run(2, cases)
     for per_case in zip(*res):
         check(list(per_case), [c for c in cases if c["name"] == per_case[0]["name"]] * 2)
+        assert all(r["logits_contiguous"] for r in per_case), "the TP head must hand the loss contiguous logits"
 
 
 def test_parity_world1_auto():

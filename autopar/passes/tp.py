@@ -120,13 +120,6 @@ def apply_tp(model: nn.Module, ctx: PassContext) -> nn.Module:
     parallelize_module(model, tp_mesh, styles)
     for name, st in styles.items():
         ctx.record("tp", f"{name}: {type(st).__name__} over tp={ctx.plan.tp}")
-    heads = [r.module for r in ctx.plan.shard_rules if r.scope == "outside" and r.style == "vocab_head" and r.module in styles]
-    for name in heads:
-        # The gathered logits come back vocabulary-major (strided); the loss's softmax over the
-        # vocabulary runs several times slower on that layout than on a contiguous copy.
-        styles_mod = dict(model.named_modules())[name]
-        styles_mod.register_forward_hook(lambda mod, args, out: out.contiguous() if isinstance(out, torch.Tensor) else out)
-        ctx.record("tp", f"{name}: gathered logits made contiguous for the loss")
     mods = dict(model.named_modules())
     by_cls = {}
     for r in ctx.plan.shard_rules:
