@@ -48,7 +48,7 @@ def _full(t):
 
 def run_case(world: int, case: dict) -> dict:
     import autopar
-    from autopar.capture import default_loss
+    from autopar.capture import default_loss, logits_of
 
     ref = build(case.get("model", "llama-tiny"))
     par = copy.deepcopy(ref)
@@ -60,7 +60,7 @@ def run_case(world: int, case: dict) -> dict:
     out = {"name": case["name"], "plan": pm.plan.as_config_string(), "losses": [], "ref_losses": []}
     if pm.plan.pp == 1:
         with torch.no_grad():  # the layout the loss gets (a strided one makes its softmax slow)
-            out["logits_contiguous"] = pm.module(ids[:1]).is_contiguous()
+            out["logits_contiguous"] = logits_of(pm.module(ids[:1])).is_contiguous()
     for step in range(case.get("steps", 3)):
         ids, tgt = batch(100 + step, B=case.get("batch", 8))
         ref_opt.zero_grad()
