@@ -154,6 +154,7 @@ class ParallelModule:
         self.module = modules[0]
         self._stage_ids: list[int] = []
         self._schedules: dict[int, Any] = {}
+        self._pending_loss = None  # the last step's loss all-reduce, until the next step
         if mesh is not None:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
             self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if plan.dp > 1 else None
@@ -219,9 +220,8 @@ class ParallelModule:
         With several ranks the loss is an asynchronous all-reduce, complete when read; one never
         read is waited for at the next step (read the last one on every rank before tearing the
         process group down, or torch warns that it was never waited for)."""
-        pending, self._pending_loss = getattr(self, "_pending_loss", None), None
-        if pending is not None and hasattr(pending, "wait"):
-            pending.wait()
+        if hasattr(self._pending_loss, "wait"):  # an asynchronous collective's result
+            self._pending_loss.wait()
         plan = self.plan
         B = ids.shape[0]
         if B % (plan.dp * plan.mb):

@@ -1,19 +1,21 @@
 """Benchmark-driven tuning: measure the machine, fit the cost model to it, measure candidate plans.
 
-Calibration (``autopar tune calibrate``), on every rank at once so that contention between the
-processes of one machine is part of what is measured:
+Calibration (``autopar tune calibrate``), called by every local rank together:
 
-- matmul throughput (fp32 on CPU; bf16 on GPUs) over square and skinny shapes, sustained for
-  0.2 s per timing so that processes sharing cores contend as in training;
-- fused attention (``scaled_dot_product_attention``, causal) throughput;
-- memory bandwidth of an element-wise op by size (a curve) and the fixed cost of one small op;
+- compute, one rank's worth at a time where ranks share cores (``_in_turns``; the cost model
+  shares the cores out itself with the profile's ``compute_slots``): matmul throughput (fp32 on
+  CPU, bf16 on GPUs) over a few shapes, causal fused attention, element-wise bandwidth by size
+  with outputs kept alive as activations are, in-place bandwidth (the optimizer's), one tiny op;
+- the eager runtime's own time: DTensor dispatch per TP linear and per op on sequence shards,
+  and the pipeline schedule per microbatch and stage;
 - all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over every power-of-two group
-  size up to N and messages from 1 KiB up.
+  size up to N (groups tiling the ranks, all running at once) and messages from 1 KiB up, each
+  fitted to ``t = alpha + bytes / beta`` by least squares of the relative error; the cost model
+  uses these instead of its analytic ring model.
 
-Fits: matmul and attention efficiency against the profile's peak (the peak is raised to the
-measurement when a data sheet is unknown, as for CPUs); the bandwidth curve; per-op cost;
-and for each collective and group size an alpha-beta line ``t = alpha + bytes / beta`` by least
-squares, which the cost model then uses instead of its analytic ring model.
+With ``--model`` (``calibrate_model``), the matmul, attention and memory-bound efficiencies are
+then fitted to the model's own operators, and the node's effective compute slots are measured
+(the model's step on every rank at once against one rank alone).
 
 Plan tuning (``autopar tune plans``, ``autopar.compile(..., tune=True)``): the planner's top K
 plans run a few real steps each (warm-up excluded); the fastest measured one that fits in memory
@@ -57,8 +59,8 @@ def _timeit(fn: Callable, reps: int, sync: Callable = lambda: None, group=None) 
 
 
 def _sustained(fn: Callable, reps: int, sync: Callable, seconds: float = 0.2, group=None) -> float:
-    """Seconds per call of ``fn`` over runs of at least ``seconds``: long enough that processes
-    sharing cores actually contend, as they do while training (short runs get serialised)."""
+    """Seconds per call of ``fn`` over runs of at least ``seconds`` (steadier than single calls;
+    ranks that run at once contend as they do in training rather than taking turns)."""
     probe = _timeit(fn, 1, sync, group)
     n = max(1, int(seconds / max(probe, 1e-6)))
 
@@ -80,7 +82,8 @@ def compute_slots(world: int, cuda: bool) -> int:
 def _in_turns(slots: int, fn: Callable):
     """``fn(group)`` on every rank, at most ``slots`` ranks at a time, so that what it measures is
     one rank's own speed (the cost model shares the slots out itself). ``group`` holds the ranks of
-    the turn (None: all ranks at once)."""
+    the turn (None: all ranks at once). A fractional ``slots`` (a measured one) rounds down."""
+    slots = max(1, int(slots))
     if not dist.is_initialized() or slots >= dist.get_world_size():
         return fn(None)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -279,7 +282,7 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
     rank = dist.get_rank() if dist.is_initialized() else 0
     max_bytes = max_bytes or ((256 << 20) if cuda else (16 << 20))
     dtype = torch.bfloat16 if cuda else torch.float32
-    points: dict = {"matmul": [], "attention": [], "memory": [], "collectives": {}}
+    points: dict = {"collectives": {}}
     steps = [0]
     sizes = [1 << k for k in range(10, int(math.log2(max_bytes)) + 1, 2)]
     groups = [g for g in (2 ** i for i in range(1, 16)) if g <= world]
@@ -364,8 +367,9 @@ def calibrate(base: str | Hardware, *, max_bytes: int | None = None, reps: int =
 
 def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, example_inputs: tuple, *,
                     loss_fn: Callable | None = None, reps: int = 3) -> Calibration:
-    """Fit the compute efficiencies to the model's own operators (all ranks call it together, each
-    running the whole model on its own, so contention between processes is included).
+    """Fit the compute efficiencies to the model's own operators (all ranks call it together; each
+    runs the whole model on its own, in turns where ranks share cores, and the node's effective
+    compute slots are measured by running it on every rank at once).
 
     One forward and backward of the real model is timed (wall clock) and profiled; the profiler's
     split of the time into matmuls, attention kernels and everything else, set against the cost

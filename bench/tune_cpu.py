@@ -1,5 +1,6 @@
 """Cost model against measurement on this machine (CPU processes over gloo), before and after
-``autopar tune calibrate``: for 2 and 4 processes, a fixed set of at least 6 different plans of a
+``autopar tune calibrate --model llama-small`` (microbenchmarks, then efficiencies fitted to the
+model's operators at each world size's share of the batch): for 2 and 4 processes, a fixed set of at least 6 different plans of a
 small Llama is measured (eager, warm-up excluded) and predicted with the uncalibrated ``cpu-gloo``
 profile and with the calibrated one. Reported: median |predicted/measured - 1|, Spearman rank
 correlation, and whether the tuned choice is the measured fastest.

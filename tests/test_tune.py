@@ -100,3 +100,19 @@ def test_model_fit_reproduces_the_measured_step():
             ct = node_times(costs.subset(costs.kind == kind), hw, mb=ids.shape[0], tp=1, sp=False, compiled=False)
             t += ct.fwd + ct.bwd
         assert t == pytest.approx(pts["measured_s"][name], rel=1e-6), name
+
+
+def _turn_members(slots):
+    import torch.distributed as dist
+
+    out = tune._in_turns(slots, lambda group: sorted(dist.get_process_group_ranks(group)) if group is not None else None)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out)
+    return everyone
+
+
+def test_in_turns_groups_ranks_by_slots():
+    """Four ranks, two slots (also as a measured, fractional 2.3): ranks 0-1 take the first turn,
+    2-3 the second; with as many slots as ranks, all run at once (no turn group)."""
+    assert tune.launch(4, "gloo", _turn_members, 2.3) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert tune.launch(4, "gloo", _turn_members, 4) == [None] * 4
