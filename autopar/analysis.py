@@ -568,3 +568,185 @@ def analyze(trace: ModelTrace) -> ModelProfile:
         outside_segments={n.rsplit(".", 1)[0]: ("pre" if _is_before_blocks(n, trace) else "post")
                           for n, (_, owner) in trace.params.items() if owner == "outside"},
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Roles of the parameters in the traced training step (what the executor shards)
+# --------------------------------------------------------------------------------------------
+_aten = torch.ops.aten
+_PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of the result swaps on t/transpose)
+    _aten.t.default, _aten.transpose.int, _aten.view.default, _aten._unsafe_view.default,
+    _aten.reshape.default, _aten._to_copy.default, _aten.alias.default, _aten.detach.default,
+}
+_FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
+                  _aten.clone.default, _aten._to_copy.default}
+_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
+_LOOKUPS = {_aten.embedding.default}
+
+
+@dataclass
+class GraphLinear:
+    """A matmul of an activation with a 2-D parameter in the step graph."""
+
+    node: torch.fx.Node
+    weight: int  # parameter index
+    out_dim: int  # the weight's dimension that indexes output features (0: nn.Linear, 1: Conv1D)
+    act: torch.fx.Node  # the activation operand
+    bias: int | None = None
+    role: str = "replicated"  # column | row | head | replicated
+    parts: int = 1  # a fused projection split into this many equal parts (q, k, v)
+    reason: str = ""  # why a linear stays replicated
+
+
+@dataclass
+class StepRoles:
+    """Per-parameter roles found by data flow in a step graph (no names involved).
+
+    The *residual stream* starts at lookups into a parameter table (token and position
+    embeddings) and at floating-point model inputs, and flows through every op but a linear. A
+    linear reading the residual stream is a column candidate; a linear whose input is computed
+    only from column outputs (through head-local ops: element-wise, views, attention) is a row
+    linear and makes its columns *columns*; a column candidate whose output reaches the graph's
+    output without a row is the *head*. A column whose output is split into ``k`` equal parts
+    along its features (fused QKV, gate/up) is sharded in ``k`` interleaved parts.
+    """
+
+    linears: list[GraphLinear]
+    residual: set  # nodes on the residual stream
+    token_tables: set  # parameter indices of embedding tables indexed by the model input
+    gather_points: dict  # residual node -> set of nodes (view chains, linears) that read it gathered
+
+
+def _weight_of(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
+    flips = 0
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _PASS_OPS:
+        if n.target in (_aten.t.default, _aten.transpose.int):
+            flips += 1
+        n = n.args[0]
+    if isinstance(n, torch.fx.Node) and n in pidx:
+        return pidx[n], flips
+    return None, 0
+
+
+def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
+    """How a column's output is split along its features: (equal parts, '' or a reason)."""
+    frontier = [lin]
+    seen = set()
+    while frontier:
+        x = frontier.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        slices = []
+        for u in x.users:
+            v = u.meta.get("val")
+            if u.op != "call_function":
+                continue
+            if u.target in _FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == features:
+                frontier.append(u)
+            elif u.target in _SPLITS:
+                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+                xv = x.meta["val"]
+                if dim % xv.dim() != xv.dim() - 1:
+                    continue
+                outs = [o.shape[-1] for o in u.meta["val"]]
+                if len(set(outs)) == 1 and len(outs) > 1:
+                    return len(outs), ""
+                return 1, f"its output is split into unequal parts {outs}"
+            elif u.target == _aten.slice.Tensor and (u.args[1] % x.meta["val"].dim()) == x.meta["val"].dim() - 1:
+                slices.append(u.meta["val"].shape[-1])
+        if len(slices) > 1:
+            if len(set(slices)) == 1 and sum(slices) == features:
+                return len(slices), ""
+            return 1, f"its output is sliced into unequal parts {slices}"
+    return 1, ""
+
+
+def step_roles(sg) -> StepRoles:
+    gm = sg.gm
+    phs = sg.placeholders()
+    pidx = {n: i for i, n in enumerate(phs[: sg.n_params])}
+    inputs = phs[sg.n_params + len(sg.buffer_names): sg.n_params + len(sg.buffer_names) + sg.n_inputs]
+    linears: dict[torch.fx.Node, GraphLinear] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (_aten.mm.default, _aten.addmm.default):
+            continue
+        a, b = (n.args[0], n.args[1]) if n.target == _aten.mm.default else (n.args[1], n.args[2])
+        w, flips = _weight_of(b, pidx)
+        if w is None or phs[w].meta["val"].dim() != 2:
+            continue
+        bias = None
+        if n.target == _aten.addmm.default:
+            bias, _ = _weight_of(n.args[0], pidx)
+        linears[n] = GraphLinear(n, w, 0 if flips % 2 else 1, a, bias)
+
+    residual: set = set()
+    token_tables: set = set()
+    for x in inputs:
+        if x.meta["val"].is_floating_point():
+            residual.add(x)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in linears:
+            continue
+        if n.target in _LOOKUPS and n.args[0] in pidx:
+            residual.add(n)
+            if n.args[1] in inputs:
+                token_tables.add(pidx[n.args[0]])
+        elif any(a in residual for a in n.all_input_nodes):
+            residual.add(n)
+
+    def frontier(x: torch.fx.Node) -> set:
+        seen, stack, out = set(), [x], set()
+        while stack:
+            y = stack.pop()
+            if y in seen:
+                continue
+            seen.add(y)
+            if y in linears:
+                out.add(y)
+            elif y not in pidx:
+                stack += y.all_input_nodes
+        return out
+
+    for lin in linears.values():
+        if lin.act in residual:
+            continue
+        fr = frontier(lin.act)
+        if fr and all(linears[f].act in residual for f in fr):
+            lin.role = "row"
+            for f in fr:
+                linears[f].role = "column"
+    outputs = set(gm.graph.find_nodes(op="output"))
+
+    def reaches_output(x: torch.fx.Node) -> bool:
+        seen, stack = set(), [x]
+        while stack:
+            y = stack.pop()
+            if y in outputs:
+                return True
+            if y in seen or (y in linears and y is not x):
+                continue
+            seen.add(y)
+            stack += list(y.users)
+        return False
+
+    for lin in linears.values():
+        if lin.role == "replicated" and lin.act in residual and reaches_output(lin.node):
+            lin.role = "head"
+    for lin in linears.values():
+        if lin.role == "column":
+            features = phs[lin.weight].meta["val"].shape[lin.out_dim]
+            lin.parts, lin.reason = _split_parts(lin.node, features)
+            if lin.reason:
+                lin.role = "replicated"
+    # Where a column reads the residual stream: the residual node its activation is a view of.
+    gather_points: dict = {}
+    for lin in linears.values():
+        if lin.role not in ("column", "head"):
+            continue
+        chain, x = [lin.node], lin.act
+        while x.op == "call_function" and x.target in _FEATURE_VIEWS and len(x.users) == 1:
+            chain.append(x)
+            x = x.args[0]
+        gather_points.setdefault(x, set()).update(chain)
+    return StepRoles(list(linears.values()), residual, token_tables, gather_points)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch.nn as nn
 from autopar import analysis, capture, models, search as search_mod
 from autopar.cost_models.hardware import Hardware, load as load_hardware
 from autopar.cost_models.step import AC_MODES, Config, CostContext, Estimate, StageModel, uniform_assignment, validate_config
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import LayerPlan, Plan, ShardRule
 
 log = logging.getLogger(__name__)
@@ -277,3 +278,225 @@ def shard_rules(m: analysis.ModelProfile) -> tuple[ShardRule, ...]:
 def _ac_text(e: Estimate) -> str:
     acs = e.assignment.per_layer_ac()
     return ",".join(f"{k}:{acs.count(k)}" for k in AC_MODES if k in acs)
+
+
+# --------------------------------------------------------------------------------------------
+# compile: plan, trace the step, run the passes, compile, wrap
+# --------------------------------------------------------------------------------------------
+def _mesh_world(mesh: Any) -> tuple[int, str]:
+    if hasattr(mesh, "device_type"):
+        return mesh.size(), mesh.device_type
+    if not isinstance(mesh, int):
+        raise AutoparError(f"mesh must be a DeviceMesh or a world size, got {type(mesh).__name__}")
+    import torch.distributed as dist
+
+    dev = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return mesh, dev
+
+
+def _resolve_plan(plan_arg: Any, model: nn.Module, world: int, prof: Profiled, *, example_inputs, hardware,
+                  global_batch, memory_limit_gb, loss_fn, device: str) -> Plan:
+    """A Plan from what the user passed ("auto", pins as a dict or ``"tp=2,sp=1"``, a Plan, or a
+    JSON path), checked against this model's fingerprint and the world size."""
+    import os
+
+    is_pins = isinstance(plan_arg, dict) or (isinstance(plan_arg, str) and "=" in plan_arg and not os.path.exists(plan_arg))
+    if not is_pins and (isinstance(plan_arg, Plan) or (isinstance(plan_arg, str) and plan_arg != "auto")):
+        p = plan_arg if isinstance(plan_arg, Plan) else Plan.load(plan_arg)
+        p.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
+        return p
+    hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
+    gb = global_batch or int(example_inputs[0].shape[0])
+    return plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb,
+                pin=plan_arg if is_pins else None, memory_limit_gb=memory_limit_gb,
+                precision=model_precision(model), loss_fn=loss_fn, profiled=prof)
+
+
+@dataclass
+class StepState:
+    """What the graph passes need beside the graph: the traced step, where each parameter lives,
+    the TP rules and the example primals (local shards, buffers, inputs)."""
+
+    graph: Any
+    layout: Any
+    rules: Any
+    example: list
+
+
+def _layout(sg, p: Plan, mesh):
+    from autopar.passes.distribute import Layout
+    from autopar.passes.fsdp import dp_placements
+    from autopar.passes.tp import tp_rules
+
+    shapes = [tuple(ph.meta["val"].shape) for ph in sg.placeholders()[: sg.n_params]]
+    rules = None
+    tp_pl: dict = {}
+    if p.tp > 1:
+        rules = tp_rules(sg, analysis.step_roles(sg), p.tp, p.sp)
+        tp_pl = rules.placements
+    dp_pl = dp_placements(shapes, tp_pl, p.dp_shard, p.fsdp)
+    lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp)
+    if mesh is None:
+        return lay, rules
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+    dims = tuple(d for d in ("dp_replicate", "dp_shard", "tp") if sizes[d] > 1)
+    if dims:
+        lay.param_dims, lay.param_mesh = dims, mesh[dims if len(dims) > 1 else dims[0]]
+    dp_dims = tuple(d for d in ("dp_replicate", "dp_shard") if sizes[d] > 1)
+    if dp_dims:
+        lay.dp_dims, lay.dp_mesh = dp_dims, mesh[dp_dims if len(dp_dims) > 1 else dp_dims[0]]
+    if p.tp > 1:
+        lay.tp_mesh = mesh["tp"]
+    return lay, rules
+
+
+def _distribute_parameters(model: nn.Module, sg, lay) -> list[torch.Tensor]:
+    """Replace each parameter of ``model`` (under every name it has) by its DTensor shard on the
+    mesh; the values come from rank 0. Returns the local shards, in the step graph's order."""
+    from torch.distributed.tensor import distribute_tensor
+
+    locals_ = []
+    for i, name in enumerate(sg.param_names):
+        p = model.get_parameter(name)
+        if lay.param_mesh is None:
+            locals_.append(p.detach())
+            continue
+        with torch.no_grad():
+            dt = distribute_tensor(p.detach(), lay.param_mesh, lay.placements(i), src_data_rank=0)
+        new = nn.Parameter(dt, requires_grad=p.requires_grad)
+        for n in [name, *sg.aliases.get(name, [])]:
+            owner, _, attr = n.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, new)
+        locals_.append(dt._local_tensor)
+    return locals_
+
+
+def _local_shards(model: nn.Module, sg) -> list[torch.Tensor]:
+    return [getattr(q, "_local_tensor", q).detach() for q in (model.get_parameter(n) for n in sg.param_names)]
+
+
+def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set, info: dict):
+    from autopar import backend
+    from autopar.passes import PassContext, collective_record, collectives, run_passes
+    from autopar.passes.ac import apply_ac
+    from autopar.passes.distribute import distribute
+    from autopar.runtime import StepRunner
+
+    params = [model.get_parameter(n) for n in sg.param_names]
+    buffers = [model.get_buffer(n) for n in sg.buffer_names]
+    example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers
+    ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled))
+    ctx.step = StepState(sg, lay, rules, example + info["inputs"])
+    joint = run_passes(sg.gm, ctx, [("distribute", distribute), ("ac", apply_ac)])
+    compiled = backend.build(joint, 1, inductor=inductor and "inductor" not in disabled)
+    grad_index = [i for i, q in enumerate(params) if q.requires_grad]
+    n_args = len(params) + len(buffers) + len(info["inputs"])
+    info.setdefault("collectives", {})["step" if sg.with_loss else "forward"] = [
+        dict(collective_record(n), graph=g) for g, gm in (("forward", compiled.fw_graph), ("backward", compiled.bw_graph))
+        for n in collectives(gm)]
+    info.setdefault("notes", {}).update(ctx.notes)
+    info.setdefault("timings", {}).update({**ctx.timings, "backend": compiled.compile_s})
+    return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in info["inputs"]])
+
+
+def compile(
+    model: nn.Module, mesh: Any, *, example_inputs: tuple, loss_fn: Callable | None = None,
+    plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
+    memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (),
+    tune: bool = False, tune_top: int = 4, tune_steps: int = 2, tune_db: str | None = None,
+):
+    """Plan (or take a plan) and apply it: returns a ``ParallelModule`` that trains across ``mesh``.
+
+    The flow, in order: capture and plan (``plan``), trace the single-device training step to one
+    graph (``capture.trace_step``), place every parameter (``passes/tp.py``, ``passes/fsdp.py``),
+    rewrite the graph (``passes/distribute.py``, ``passes/ac.py``), partition and compile it
+    (``backend``), and wrap it (``runtime.ParallelModule``). ``compile=False`` runs the same
+    graphs without Inductor. ``tune=True`` measures the planner's top ``tune_top`` plans for
+    ``tune_steps`` real steps on copies of the model and applies the fastest one that fits.
+    """
+    import copy
+
+    import torch.distributed as dist
+
+    from autopar import capture
+    from autopar.plan import MESH_DIMS
+    from autopar.runtime import ParallelModule
+
+    if not isinstance(model, nn.Module):
+        raise AutoparError(f"autopar.compile takes an nn.Module, got {type(model).__name__}")
+    world, device = _mesh_world(mesh)
+    if dist.is_initialized() and world != dist.get_world_size():
+        raise AutoparError(f"the mesh has {world} ranks but the process group has {dist.get_world_size()}; "
+                           "pass a mesh over the whole world")
+    if not dist.is_initialized() and world != 1:
+        raise AutoparError(f"a world of {world} needs torch.distributed initialised (torchrun, or autopar.runtime.init_distributed())")
+    if not isinstance(example_inputs, tuple) or not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
+        raise AutoparError("example_inputs must be a tuple whose first item is a (batch, seq) tensor of token ids")
+    ids = example_inputs[0]
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
+    prof = profile_model(model, example_inputs=example_inputs, precision=model_precision(model), loss_fn=loss_fn)
+    tuning = None
+    if tune:
+        from autopar import tune as tune_mod
+
+        hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
+        cands = plan_candidates(model, world, k=tune_top, example_inputs=example_inputs, hardware=hw,
+                                global_batch=global_batch or int(ids.shape[0]), memory_limit_gb=memory_limit_gb,
+                                pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn, profiled=prof)
+        db = tune_mod.MeasurementDB(tune_db) if (not dist.is_initialized() or dist.get_rank() == 0) else None
+        tuning = tune_mod.tune_plans(lambda: copy.deepcopy(model), cands, example_inputs,
+                                     hardware=load_hardware(hw).name, db=db, steps=tune_steps, loss_fn=loss_fn,
+                                     compile=compile, memory_limit_gb=memory_limit_gb)
+        plan = tuning[0]["plan"]
+    p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
+                      global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
+    if p.seq_len != ids.shape[1]:
+        raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
+    dmesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
+    if device == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    if p.pp > 1:
+        from autopar.passes import pp as pp_mod
+
+        pm = pp_mod.compile_pipeline(model, p, dmesh, example_inputs=example_inputs, loss_fn=loss_fn,
+                                     inductor=compile, disabled=set(disable_passes))
+        pm.tuning = tuning
+        return pm
+    loss_fn = loss_fn or capture.default_loss
+    mb_ids = ids[: p.mb]
+    mb_tgt = torch.zeros_like(mb_ids)
+    sg = capture.trace_step(model, (mb_ids,), target=mb_tgt, loss_fn=loss_fn, name=prof.source_name)
+    lay, rules = _layout(sg, p, dmesh)
+    from autopar.passes.tp import placement_str
+
+    placements = tuple((n, placement_str(lay.tp.get(i)) if i in lay.tp else "R", placement_str(lay.dp[i]))
+                       for i, n in enumerate(sg.param_names))
+    p = dataclasses.replace(p, placements=placements, tp_notes=tuple(rules.notes if rules else ()))
+    locals_ = _distribute_parameters(model, sg, lay)
+    info: dict = {"inputs": [mb_ids, mb_tgt], "param_names": sg.param_names,
+                  "buffers": [model.get_buffer(n) for n in sg.buffer_names], "output_type": None}
+    step_runner = _build_runner(sg, p, dmesh, lay, rules, locals_, model, inductor=compile, disabled=set(disable_passes), info=info)
+    local_batch = int(ids.shape[0]) // p.dp
+
+    def forward_factory(inputs: tuple):
+        """The forward graph for the user's own loop, built at the first call with a shape."""
+        from autopar.passes.tp import tp_rules
+
+        fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name)
+        frules = tp_rules(fsg, analysis.step_roles(fsg), p.tp, p.sp) if p.tp > 1 else None
+        finfo = {"inputs": list(inputs)}
+        runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model,
+                               inductor=compile, disabled=set(disable_passes), info=finfo)
+        info["collectives"].update(finfo["collectives"])
+        info["output_type"] = fsg.output_type
+        return runner
+
+    pm = ParallelModule(model, p, dmesh, step_runner=step_runner, forward_factory=forward_factory,
+                        loss_fn=loss_fn, info=info)
+    pm.tuning = tuning
+    return pm

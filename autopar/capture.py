@@ -396,3 +396,141 @@ def _trace_block(mode: FakeTensorMode, sig: str, insts: list, args: tuple, kwarg
         param_names=names, param_shapes={n: tuple(p.shape) for n, p in zip(names, plist)},
         hidden_input_idx=hidden_idx, saved_nodes=saved_nodes,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The training step as one graph (what the executor runs)
+# --------------------------------------------------------------------------------------------
+def find_layers(model: nn.Module) -> list[str]:
+    """The repeated layers of ``model``, in call order of their names: the largest group (by
+    parameters) of at least two modules that share a class and parameter shapes and do not nest.
+    Found from the modules themselves, whatever holds them (a ModuleList, a ModuleDict, plain
+    attributes)."""
+    groups: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        if not name or not any(True for _ in mod.parameters()):
+            continue
+        sig = _signature(mod)
+        groups.setdefault(sig, []).append(name)
+        sizes[sig] = sum(p.numel() for p in mod.parameters())
+    best: tuple[int, int, list[str]] = (0, 0, [])
+    for sig, names in groups.items():
+        names = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+        if len(names) < 2:
+            continue
+        key = (sizes[sig] * len(names), -len(names))
+        if key > best[:2]:
+            best = (*key, names)
+    return best[2]
+
+
+@dataclass
+class StepGraph:
+    """The single-device forward (and loss) of a model as one ATen graph on fake tensors.
+
+    Placeholders, in order: every parameter (tied parameters once, under their first name), every
+    buffer, the model inputs, then the target when the loss is in the graph. Outputs: the loss, or
+    the model's logits. Each node's ``meta["custom"]`` holds ``module`` (the innermost module
+    whose forward made it) and ``layer`` (the index of the repeated layer it belongs to).
+    """
+
+    gm: torch.fx.GraphModule
+    param_names: list[str]
+    aliases: dict[str, list[str]]  # parameter -> the other names it is registered under
+    buffer_names: list[str]
+    n_inputs: int
+    with_loss: bool
+    layers: list[str]
+    input_shapes: list[tuple[int, ...]]
+    output_type: Any = None  # the model output's class when it is not a tensor (HF ModelOutput)
+
+    @property
+    def n_params(self) -> int:
+        return len(self.param_names)
+
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _module_annotations(model: nn.Module, layers: list[str]):
+    """Forward hooks that annotate every node traced inside a module with its name, and inside a
+    layer with the layer's index (``torch.fx.traceback.annotate``, copied into ``meta['custom']``)."""
+    import torch.fx.traceback as fx_traceback
+
+    index = {name: i for i, name in enumerate(layers)}
+    stack: list = []
+    handles = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        ann = {"module": name}
+        if name in index:
+            ann["layer"] = index[name]
+
+        def pre(m, args, ann=ann):
+            cm = fx_traceback.annotate(ann)
+            cm.__enter__()
+            stack.append(cm)
+
+        def post(m, args, out):
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    return handles
+
+
+def trace_step(
+    model: nn.Module, inputs: tuple, *, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+    name: str = "model",
+) -> StepGraph:
+    """Trace ``model``'s forward on ``inputs`` (and the loss against ``target`` when given) to one
+    ATen graph, on fake tensors: nothing is computed and no memory of the model's size is used."""
+    import torch.fx.traceback as fx_traceback
+
+    pnames, params, aliases = [], [], {}
+    by_id: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            aliases.setdefault(by_id[id(p)], []).append(pname)
+            continue
+        by_id[id(p)] = pname
+        pnames.append(pname)
+        params.append(p)
+    bnames = [n for n, _ in model.named_buffers()]
+    buffers = [b for _, b in model.named_buffers()]
+    # Everything enters the trace as fake tensors of the global shapes (parameters may already be
+    # DTensor shards: the step is traced as the single-device model).
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        params = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device) for p in params]
+    buffers = [mode.from_tensor(b) for b in buffers]
+    inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+    target = mode.from_tensor(target) if target is not None else None
+    layers = find_layers(model)
+    box: dict = {}
+
+    def step(ps, bs, xs, *tgt):
+        state = {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}
+        for first, others in aliases.items():
+            state.update({o: state[first] for o in others})
+        out = torch.func.functional_call(model, state, tuple(xs), tie_weights=False)
+        if tgt:
+            return (loss_fn or default_loss)(out, tgt[0])
+        if not isinstance(out, torch.Tensor):
+            box["type"] = type(out)
+        return logits_of(out)
+
+    handles = _module_annotations(model, layers)
+    try:
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(params, buffers, list(inputs), *([target] if target is not None else []))
+    except Exception as e:
+        raise _trace_error(e, f"the training step of {name}") from e
+    finally:
+        for h in handles:
+            h.remove()
+    out_type = box.get("type")
+    return StepGraph(gm, pnames, aliases, bnames, len(inputs), target is not None, layers,
+                     [tuple(x.shape) for x in inputs], out_type)

@@ -160,3 +160,24 @@ def render_tuning(rows: list[dict], width: int = 110) -> str:
                   "yes" if r["fits"] else "no", "yes" if r["reused"] else "")
     con.print(t)
     return buf.getvalue()
+
+
+def render_executed(info: dict, *, width: int = 110) -> str:
+    """What the executor did: each collective of the compiled graphs (kind, group size, bytes,
+    the pass that inserted it and the node or parameter it came from) and the passes' notes."""
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    for name, recs in info.get("collectives", {}).items():
+        t = Table(title=f"collectives in the compiled {name} graphs ({len(recs)})")
+        for c in ("graph", "kind", "group", "MiB", "pass", "from"):
+            t.add_column(c)
+        for r in recs:
+            t.add_row(r["graph"], r["kind"], str(r["group_size"]), f"{r['bytes'] / 2**20:.3f}", r["pass"],
+                      r["source"] or r["module"])
+        con.print(t)
+    for name, lines in info.get("notes", {}).items():
+        for line in lines:
+            con.print(f"[{name}] {line}")
+    if info.get("timings"):
+        con.print("pass times: " + ", ".join(f"{k} {v:.2f}s" for k, v in info["timings"].items()))
+    return buf.getvalue()

@@ -73,6 +73,10 @@ class Plan:
     block_container: str = ""
     # Modules with parameters outside the blocks: (module, "pre" | "post", class name).
     outer_modules: tuple = ()
+    # What the executor applied: (parameter, TP placement, dp_shard placement) per parameter, as
+    # "R", "S(d)" or "S(d,xk)" (k interleaved parts), and why any linear stayed replicated.
+    placements: tuple = ()
+    tp_notes: tuple = ()
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------
@@ -124,6 +128,8 @@ class Plan:
             d["collectives"] = tuple(d["collectives"])
             d["runners_up"] = tuple(d.get("runners_up", ()))
             d["outer_modules"] = tuple(tuple(x) for x in d.get("outer_modules", ()))
+            d["placements"] = tuple(tuple(x) for x in d.get("placements", ()))
+            d["tp_notes"] = tuple(d.get("tp_notes", ()))
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise AutoparError(f"plan JSON is missing or has unknown fields: {e}") from e

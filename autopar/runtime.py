@@ -1,10 +1,17 @@
-"""Runtime: ``autopar.compile`` returns a ``ParallelModule`` that trains across the mesh.
+"""Runtime: the ``ParallelModule`` that ``autopar.compile`` returns, and process-group set-up.
+
+The module shares the user's submodules, so its parameters keep their original names (tied
+parameters once, as in the original); each parameter is a DTensor on the mesh dims the plan uses
+(its TP split and data-parallel shard), which a plain ``torch.optim`` optimizer, ``state_dict``
+and ``torch.distributed.checkpoint`` take as they are. Its forward and ``step`` run the compiled
+graphs (``backend.CompiledStep``) through one ``autograd.Function``: the forward graph on the
+local tensors, the backward graph when autograd asks for gradients, which arrive as DTensors
+with the parameters' placements, already reduced and averaged over data parallelism.
 
 ``step(ids, target)`` runs forward and backward of one global batch: every rank passes the same
-global batch; each data-parallel rank takes its slice, splits it into the plan's microbatches and
-accumulates gradients (the loss of each microbatch scaled by 1/M, so the gradient is the gradient
-of the mean loss, as in one process). The returned loss is the mean over microbatches and data
-ranks, the same float on every rank.
+global batch; each data-parallel rank takes its slice, splits it into the plan's microbatches
+and accumulates gradients (each microbatch's loss scaled by 1/M, so the gradient is that of the
+mean loss, as in one process). ``pm(x)`` takes this rank's data-parallel slice, like DDP or FSDP.
 """
 
 from __future__ import annotations
@@ -18,16 +25,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
-from autopar import api, explain as explain_mod
-from autopar.capture import default_loss
-from autopar.errors import AutoparError, PlanMismatchError
-from autopar.passes import PassContext, run_passes
-from autopar.passes.ac import apply_ac
-from autopar.passes.fsdp import apply_fsdp
-from autopar.passes.inductor import apply_compile
-from autopar.passes.pp import split_stages
-from autopar.passes.tp import apply_tp
-from autopar.plan import MESH_DIMS, Plan
+from autopar import explain as explain_mod
+from autopar.errors import AutoparError
+from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -47,170 +47,108 @@ def init_distributed(backend: str | None = None) -> None:
     dist.init_process_group(backend)
 
 
-def _world(mesh: Any) -> tuple[int, str]:
-    if hasattr(mesh, "device_type"):
-        return mesh.size(), mesh.device_type
-    if not isinstance(mesh, int):
-        raise AutoparError(f"mesh must be a DeviceMesh or a world size, got {type(mesh).__name__}")
-    dev = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return mesh, dev
+class _RunGraphs(torch.autograd.Function):
+    """Forward: the compiled forward graph on local tensors. Backward: the compiled backward
+    graph; parameter gradients come back as DTensors placed like their parameters."""
+
+    @staticmethod
+    def forward(ctx, runner: "StepRunner", *args):
+        local = [a._local_tensor if hasattr(a, "_local_tensor") else a for a in args]
+        outs = runner.compiled.fw(*local)
+        n = runner.compiled.n_outputs
+        ctx.runner = runner
+        ctx.saved = [o for o in outs[n:] if isinstance(o, torch.Tensor)]
+        ctx.metas = [(a.device_mesh, a.placements, a.shape, a.stride()) if hasattr(a, "_local_tensor") else None
+                     for a in args[: runner.n_params]]
+        return tuple(outs[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        runner = ctx.runner
+        saved, ctx.saved = ctx.saved, None
+        tangents = [g if g is not None else torch.zeros(()) for g in grads]
+        out = runner.compiled.bw(*saved, *tangents)
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        result: list = [None] * (1 + runner.n_args)
+        from torch.distributed.tensor import DTensor
+
+        for i, g in zip(runner.grad_index, out):
+            meta = ctx.metas[i]
+            if meta is not None and g is not None:
+                mesh, placements, shape, stride = meta
+                g = DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+            result[1 + i] = g
+        return tuple(result)
 
 
-def _resolve_plan(plan: Any, model: nn.Module, world: int, prof: "api.Profiled", *, example_inputs, hardware,
-                  global_batch, memory_limit_gb, loss_fn, device: str) -> Plan:
-    """A Plan from what the user passed ("auto", pins as a dict or ``"tp=2,sp=1"``, a Plan, or a
-    JSON path), checked against this model's fingerprint and the world size."""
-    is_pins = isinstance(plan, dict) or (isinstance(plan, str) and "=" in plan and not os.path.exists(plan))
-    if not is_pins and (isinstance(plan, Plan) or (isinstance(plan, str) and plan != "auto")):
-        p = plan if isinstance(plan, Plan) else Plan.load(plan)
-        p.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
-        return p
-    hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
-    gb = global_batch or int(example_inputs[0].shape[0])
-    pins = plan if is_pins else None
-    return api.plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb, pin=pins,
-                    memory_limit_gb=memory_limit_gb, precision=api.model_precision(model), loss_fn=loss_fn,
-                    profiled=prof)
+class StepRunner:
+    """One compiled step graph (with the loss, for ``step``; or the logits, for ``forward``)."""
+
+    def __init__(self, compiled, n_params: int, n_args: int, grad_index: list[int], input_shapes: list):
+        self.compiled, self.n_params, self.n_args = compiled, n_params, n_args
+        self.grad_index, self.input_shapes = grad_index, input_shapes
+
+    def __call__(self, params: list, buffers: list, inputs: list):
+        return _RunGraphs.apply(self, *params, *buffers, *inputs)
 
 
-def compile(
-    model: nn.Module, mesh: Any, *, example_inputs: tuple, loss_fn: Callable | None = None,
-    plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
-    memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (),
-    tune: bool = False, tune_top: int = 4, tune_steps: int = 2, tune_db: str | None = None,
-) -> "ParallelModule":
-    """Plan (or take a plan) and apply it: returns a module that trains across ``mesh``.
+class ParallelModule(nn.Module):
+    """The parallel model: an ``nn.Module`` whose parameters (original names) are the local
+    shards of this rank, as DTensors. A plain optimizer over ``parameters()`` trains it."""
 
-    ``tune=True`` measures the planner's top ``tune_top`` plans for ``tune_steps`` real steps on
-    copies of the model and applies the fastest one that fits (measurements cached in SQLite at
-    ``tune_db``); ``pm.tuning`` then holds predicted and measured times side by side.
-    """
-    world, device = _world(mesh)
-    if dist.is_initialized() and world != dist.get_world_size():
-        raise AutoparError(f"the mesh has {world} ranks but the process group has {dist.get_world_size()}; "
-                           "pass a mesh over the whole world")
-    if not dist.is_initialized() and world != 1:
-        raise AutoparError(f"a world of {world} needs torch.distributed initialised (torchrun, or autopar.runtime.init_distributed())")
-    if not isinstance(example_inputs, tuple) or not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
-        raise AutoparError("example_inputs must be a tuple whose first item is a (batch, seq) tensor of token ids")
-    ids = example_inputs[0]
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
-    # Traced once: for planning, for checking a given plan's fingerprint, and for tuning.
-    prof = api.profile_model(model, example_inputs=example_inputs, precision=api.model_precision(model),
-                             loss_fn=loss_fn)
-    tuning = None
-    if tune:
-        import copy
-
-        from autopar import tune as tune_mod
-
-        hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
-        cands = api.plan_candidates(model, world, k=tune_top, example_inputs=example_inputs, hardware=hw,
-                                    global_batch=global_batch or int(ids.shape[0]), memory_limit_gb=memory_limit_gb,
-                                    pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn,
-                                    profiled=prof)
-        db = tune_mod.MeasurementDB(tune_db) if (not dist.is_initialized() or dist.get_rank() == 0) else None
-        tuning = tune_mod.tune_plans(lambda: copy.deepcopy(model), cands, example_inputs,
-                                     hardware=api.load_hardware(hw).name, db=db, steps=tune_steps, loss_fn=loss_fn,
-                                     compile=compile, memory_limit_gb=memory_limit_gb)
-        plan = tuning[0]["plan"]
-    p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
-                      global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
-    if p.seq_len != ids.shape[1]:
-        raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
-    dmesh = None
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
-    ctx = PassContext(dmesh, p, compile=compile, disabled=set(disable_passes))
-    if device == "cuda":
-        model.to(torch.device("cuda", torch.cuda.current_device()))
-    passes = [("tp", apply_tp), ("ac", apply_ac), ("compile", apply_compile), ("fsdp", apply_fsdp)]
-    if p.pp == 1:
-        pm = ParallelModule([run_passes(model, ctx, passes)], p, dmesh, loss_fn or default_loss, ctx)
-        pm.tuning = tuning
-        return pm
-    stages = split_stages(model, p, dmesh.get_local_rank("pp"))
-    for idx, _ in stages:
-        ctx.record("pp", f"stage {idx} of {p.pp * p.v} on pp rank {dmesh.get_local_rank('pp')}")
-    modules = [run_passes(m, ctx, passes) for _, m in stages]
-    pm = ParallelModule(modules, p, dmesh, loss_fn or default_loss, ctx)
-    pm._stage_ids = [idx for idx, _ in stages]
-    pm.tuning = tuning
-    return pm
-
-
-class ParallelModule:
-    """The parallel model. A plain optimizer over ``parameters()`` trains it.
-
-    ``modules`` holds one module, or under pipeline parallelism this rank's stage modules (one per
-    virtual stage); their parameters keep the original names.
-    """
-
-    def __init__(self, modules: list[nn.Module], plan: Plan, mesh, loss_fn: Callable, ctx: PassContext):
-        self.modules, self.plan, self.mesh, self.loss_fn, self._ctx = modules, plan, mesh, loss_fn, ctx
-        self.module = modules[0]
-        self._stage_ids: list[int] = []
-        self._schedules: dict[int, Any] = {}
-        self._pending_loss = None  # the last step's loss all-reduce, until the next step
-        if mesh is not None:
+    def __init__(self, model: nn.Module, plan: Plan, mesh, *, step_runner: StepRunner | None,
+                 forward_factory: Callable[[tuple], StepRunner] | None, loss_fn: Callable, info: dict):
+        super().__init__()
+        # Share the user's submodules and parameter/buffer dicts: names stay the original ones.
+        self._modules = model._modules
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        object.__setattr__(self, "_model_type", type(model))
+        self.plan, self.mesh, self.loss_fn = plan, mesh, loss_fn
+        self._step_runner = step_runner
+        self._forward_factory = forward_factory
+        self._forward_runners: dict = {}
+        self.info = info  # what the passes did: collectives, notes, timings
+        self._pending_loss = None
+        self._buffer_list = info["buffers"]
+        if mesh is not None and plan.dp > 1:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
-            self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if plan.dp > 1 else None
+            self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
         else:
             self._dp_rank, self._dp_group = 0, None
 
-    # -- nn.Module-like surface --------------------------------------------------------------
-    def parameters(self):
-        for m in self.modules:
-            yield from m.parameters()
-
-    def named_parameters(self):
-        for m in self.modules:
-            yield from m.named_parameters()
-
-    def state_dict(self):
-        """Sharded state (DTensors under TP/FSDP), keyed by the original parameter names; under
-        pipeline parallelism, the entries of this rank's stages."""
-        out = {}
-        for m in self.modules:
-            out.update(m.state_dict())
-        return out
-
-    def load_state_dict(self, sd, strict: bool = True):
-        if len(self.modules) == 1:
-            return self.module.load_state_dict(sd, strict=strict)
-        for m in self.modules:
-            mine = {k: v for k, v in sd.items() if k in m.state_dict()}
-            m.load_state_dict(mine, strict=False)
-        return None
-
-    def train(self, mode: bool = True):
-        for m in self.modules:
-            m.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    def __call__(self, *args, **kwargs):
+    # -- forward (the user's own loop) ----------------------------------------------------
+    def forward(self, *inputs):
         if self.plan.pp > 1:
             raise AutoparError(
                 "a forward-only call is not available under a pipeline plan (the model is split "
                 f"over {self.plan.pp} ranks); use step() for training, or a plan with pp=1"
             )
-        return self.module(*args, **kwargs)
+        shapes = tuple(tuple(x.shape) for x in inputs)
+        runner = self._forward_runners.get(shapes)
+        if runner is None:
+            if self._forward_factory is None:
+                raise AutoparError("this ParallelModule was built for step() only")
+            runner = self._forward_runners[shapes] = self._forward_factory(inputs)
+        (logits,) = runner(self._live_params(), self._buffer_list, list(inputs))
+        out_type = self.info.get("output_type")
+        if out_type is not None:
+            try:
+                return out_type(logits=logits)
+            except TypeError:
+                return logits
+        return logits
+
+    def _live_params(self) -> list:
+        """The step graph's parameters as registered now (the optimizer updates them in place)."""
+        return [self.get_parameter(name) for name in self.info["param_names"]]
 
     def explain(self, graph: bool = False) -> str:
         text = explain_mod.render(self.plan)
         if getattr(self, "tuning", None):
             text += explain_mod.render_tuning(self.tuning)
         if graph:
-            lines = ["", "passes applied (what each inserted):"]
-            for name, items in self._ctx.provenance.items():
-                lines += [f"  [{name}] {x}" for x in items]
-            text += "\n".join(lines) + "\n"
+            text += explain_mod.render_executed(self.info)
         return text
 
     # -- training ----------------------------------------------------------------------------
@@ -218,90 +156,50 @@ class ParallelModule:
         """Forward and backward of one global batch; returns the mean loss (same on every rank).
 
         With several ranks the loss is an asynchronous all-reduce, complete when read; one never
-        read is waited for at the next step (read the last one on every rank before tearing the
-        process group down, or torch warns that it was never waited for)."""
-        if hasattr(self._pending_loss, "wait"):  # an asynchronous collective's result
+        read is waited for at the next step."""
+        if hasattr(self._pending_loss, "wait"):
             self._pending_loss.wait()
         plan = self.plan
+        if target is None:
+            raise AutoparError("step() needs target= (the labels for the loss)")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise AutoparError(f"step() takes a (batch, seq) tensor of token ids, got {getattr(ids, 'shape', type(ids))}")
         B = ids.shape[0]
         if B % (plan.dp * plan.mb):
             raise AutoparError(
                 f"a batch of {B} sequences cannot be split over dp={plan.dp} ranks into microbatches "
                 f"of {plan.mb}; use a multiple of {plan.dp * plan.mb}"
             )
-        if target is None:
-            raise AutoparError("step() needs target= (the labels for the loss)")
+        if target.shape != ids.shape:
+            raise AutoparError(f"target has shape {tuple(target.shape)}, ids {tuple(ids.shape)}: they must match")
         local = B // plan.dp
         sl = slice(self._dp_rank * local, (self._dp_rank + 1) * local)
         ids_l, tgt_l = ids[sl], target[sl]
         M = local // plan.mb
-        if plan.pp > 1:
+        want = tuple(self._step_runner.input_shapes[0])
+        if (plan.mb, ids.shape[1]) != want:
+            raise AutoparError(
+                f"step() got sequences of {ids.shape[1]} tokens in microbatches of {plan.mb}, but the step "
+                f"was compiled for {want}; compile again for the new shape"
+            )
+        if self.plan.pp > 1:
             loss = self._pipeline_step(ids_l, tgt_l, M)
         else:
+            params = self._live_params()
             total = torch.zeros((), dtype=torch.float32, device=ids.device)
             for i in range(M):
                 mb = slice(i * plan.mb, (i + 1) * plan.mb)
-                loss = self.loss_fn(self.module(ids_l[mb]), tgt_l[mb])
+                (loss,) = self._step_runner(params, self._buffer_list, [ids_l[mb], tgt_l[mb]])
                 (loss / M).backward()
                 total += loss.detach().float()
             loss = total / M
         if plan.dp > 1:
-            if not plan.fsdp:
-                self._allreduce_grads()
-            # A functional collective: waited on only when the loss is read, so it overlaps with
-            # whatever the training loop does next (the optimizer step).
             loss = funcol.all_reduce(loss / plan.dp, "sum", self._dp_group)
         self._pending_loss = loss
         return loss
 
-    def _schedule(self, M: int):
-        """The pipelining schedule for M microbatches (built once per M)."""
-        if M not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-            plan = self.plan
-            if M < plan.pp or (plan.schedule == "interleaved" and M % plan.pp):
-                raise AutoparError(f"{M} microbatches do not fit the {plan.schedule} schedule over {plan.pp} stages")
-            device = next(self.modules[0].parameters()).device
-            group = self.mesh["pp"].get_group()
-            stages = [PipelineStage(m, idx, plan.pp * plan.v, device, group=group)
-                      for idx, m in zip(self._stage_ids, self.modules)]
-
-            def loss_fn(out, tgt):
-                return self.loss_fn(out, tgt)
-
-            if plan.schedule == "interleaved":
-                sched = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=loss_fn)
-            else:
-                cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-                sched = cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
-            self._schedules[M] = sched
-        return self._schedules[M]
-
-    def _pipeline_step(self, ids: torch.Tensor, target: torch.Tensor, M: int) -> torch.Tensor:
-        plan = self.plan
-        sched = self._schedule(M)
-        n_stages = plan.pp * plan.v
-        args = (ids,) if 0 in self._stage_ids else ()
-        losses: list = []
-        kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stage_ids else {}
-        sched.step(*args, **kwargs)
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=ids.device)
-        return funcol.all_reduce(loss, "sum", self.mesh["pp"].get_group())  # only the last stage contributes
-
-    def _allreduce_grads(self) -> None:
-        """Replicated data parallelism: average gradients over the data-parallel ranks, bucketed."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        locs = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        for dtype in sorted({g.dtype for g in locs}, key=str):
-            group = [g for g in locs if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in group])
-            dist.all_reduce(flat, group=self._dp_group)
-            flat /= self.plan.dp
-            off = 0
-            for g in group:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
+    def _pipeline_step(self, ids, target, M):
+        raise AutoparError("pipeline plans run through autopar.passes.pp")
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -311,19 +209,18 @@ class ParallelModule:
         sharded on (one all-reduce per group of gradients sharing mesh and dims); pending partial
         sums (``Partial`` placements) are reduced first; replicated gradients count once.
         """
-        from torch.distributed.tensor import DTensor, Partial, Replicate
+        from torch.distributed.tensor import DTensor, Replicate
 
         params = [p for p in self.parameters() if p.grad is not None]
         sums: dict[tuple, list] = {}
         for p in params:
             g = p.grad
-            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-                g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
                 p.grad = g
             if isinstance(g, DTensor):
-                dims = tuple(i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial()))  # Shard, _StridedShard
-                key = (id(g.device_mesh), dims)
-                entry = sums.setdefault(key, [g.device_mesh, dims, 0.0])
+                dims = tuple(i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial()))
+                entry = sums.setdefault((id(g.device_mesh), dims), [g.device_mesh, dims, 0.0])
                 entry[2] = entry[2] + g.to_local().float().pow(2).sum()
             else:
                 entry = sums.setdefault(("plain",), [None, (), 0.0])
@@ -335,9 +232,7 @@ class ParallelModule:
                 dist.all_reduce(sq, group=mesh.get_group(d))
             total = total + sq.cpu()
         if self.plan.pp > 1:  # each pipeline rank holds other parameters
-            total = total.to(next(self.modules[0].parameters()).device)
             dist.all_reduce(total, group=self.mesh["pp"].get_group())
-            total = total.cpu()
         norm = total.sqrt()
         coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
         for p in params:

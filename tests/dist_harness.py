@@ -47,20 +47,31 @@ def _full(t):
 
 
 def run_case(world: int, case: dict) -> dict:
+    """One case: the same model trained by autopar (default options unless the case says) and
+    by one process, compared by original parameter name."""
     import autopar
-    from autopar.capture import default_loss, logits_of
+    from autopar.capture import default_loss
 
     ref = build(case.get("model", "llama-tiny"))
     par = copy.deepcopy(ref)
     ids, tgt = batch(1, B=case.get("batch", 8))
+    kw = {"compile": case["compile"]} if "compile" in case else {}
     pm = autopar.compile(par, world, example_inputs=(ids,), plan=case.get("plan", "auto"),
-                         compile=case.get("compile", False), global_batch=ids.shape[0])
+                         global_batch=ids.shape[0], **kw)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    out = {"name": case["name"], "plan": pm.plan.as_config_string(), "losses": [], "ref_losses": []}
-    if pm.plan.pp == 1:
-        with torch.no_grad():  # the layout the loss gets (a strided one makes its softmax slow)
-            out["logits_contiguous"] = logits_of(pm.module(ids[:1])).is_contiguous()
+    out = {"name": case["name"], "plan": pm.plan.as_config_string(), "losses": [], "ref_losses": [],
+           "is_module": isinstance(pm, torch.nn.Module)}
+    if case.get("user_loop") and pm.plan.pp == 1:
+        # The module path, on the initial weights: each data-parallel rank runs its slice of the
+        # batch through pm(x) and the loss in its own loop.
+        ids, tgt = batch(200, B=case.get("batch", 8))
+        default_loss(ref(ids), tgt).backward()
+        dp, rank = pm.plan.dp, pm._dp_rank
+        n = ids.shape[0] // dp
+        sl = slice(rank * n, (rank + 1) * n)
+        default_loss(pm(ids[sl]), tgt[sl]).backward()
+        out["user_loop"] = _grad_diffs(pm, ref)
     for step in range(case.get("steps", 3)):
         ids, tgt = batch(100 + step, B=case.get("batch", 8))
         ref_opt.zero_grad()
@@ -69,17 +80,7 @@ def run_case(world: int, case: dict) -> dict:
         opt.zero_grad()
         loss = pm.step(ids, target=tgt)
         if step == 0:
-            ref_g = dict(ref.named_parameters())
-            diffs = {}
-            for name, p in pm.named_parameters():
-                g = _full(p.grad) if p.grad is not None else None
-                r = ref_g[name].grad
-                diffs[name] = float((g - r).abs().max()) if g is not None else float("inf")
-            out["grad_max_diff"] = max(diffs.values())
-            out["worst_param"] = max(diffs, key=diffs.get)
-            out["n_params"] = len(diffs)
-            out["param_names"] = sorted(diffs)
-            out["n_ref_params"] = len(ref_g)
+            out.update(_grad_diffs(pm, ref))
             if case.get("clip"):
                 norm = pm.clip_grad_norm_(1e-3)
                 ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
@@ -89,6 +90,17 @@ def run_case(world: int, case: dict) -> dict:
         ref_opt.step()
         opt.step()
     return out
+
+
+def _grad_diffs(pm, ref) -> dict:
+    ref_g = dict(ref.named_parameters())
+    diffs = {}
+    for name, p in pm.named_parameters():
+        g = _full(p.grad) if p.grad is not None else None
+        r = ref_g[name].grad
+        diffs[name] = float((g - r).abs().max()) if g is not None else float("inf")
+    return {"grad_max_diff": max(diffs.values()), "worst_param": max(diffs, key=diffs.get), "n_params": len(diffs),
+            "param_names": sorted(diffs), "n_ref_params": len(ref_g)}
 
 
 def _worker(rank: int, world: int, port: int, cases: list, q) -> None:

@@ -1,61 +1,117 @@
-"""Passes that apply a Plan to a model, one file per transform, each ``(module, plan, ctx) -> module``.
+"""Graph passes: each is a function ``(gm, plan, ctx) -> gm`` over the traced training step.
 
-The runner applies them in the order the transforms require (torchtitan's order): pipeline split,
-tensor/sequence parallel, activation checkpointing, compile, then FSDP. Each pass records what it
-did in ``ctx.provenance`` (pass name -> list of lines), so ``ParallelModule.explain(graph=True)``
-can say which pass produced which collective or wrapper. Passes use PyTorch's own machinery
-(DTensor ``parallelize_module``, ``fully_shard``, ``torch.utils.checkpoint``, ``torch.compile``)
-from inside, driven only by the plan's rules, never by model-specific names.
+The order (``api.compile`` runs it):
+
+1. ``distribute`` (``passes/distribute.py``): replays the single-device forward graph on
+   DTensors placed as the plan says (TP/SP per operator from ``passes/tp.py``, FSDP/HSDP/DDP
+   per parameter from ``passes/fsdp.py``) under ``make_fx``, with the gradients taken by
+   autograd: the result is one *joint* graph of forward and backward on local tensors with
+   every collective explicit (``_c10d_functional``).
+2. ``ac`` (``passes/ac.py``): tags forward nodes per layer for recomputation (full/selective)
+   and, for ZeRO-3, the parameter all-gathers, in the joint graph.
+3. ``partition`` (``backend.py``): splits the joint graph into forward and backward graphs
+   (min-cut partitioner, which honours the tags).
+4. ``overlap`` (``passes/overlap.py``): buckets collectives in each graph.
+5. Inductor compiles each graph whole (``backend.py``); ``compile=False`` runs the very same
+   graphs eagerly.
+
+Every node a pass adds carries ``node.meta["custom"]["pass"]`` (which pass made it) and, for
+nodes replayed from the single-device graph, ``"source"`` (the node it came from), so
+``explain`` can list each collective with its origin. The runner checks that each pass
+returns a ``GraphModule``, times it, and names the failing pass and the ones before it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-import torch.nn as nn
+import torch
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
 
+COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
 
 @dataclass
 class PassContext:
-    mesh: object  # the 4-D DeviceMesh (pp, dp_replicate, dp_shard, tp)
+    mesh: Any  # the 4-D DeviceMesh (pp, dp_replicate, dp_shard, tp), None on one process
     plan: Plan
     compile: bool = True
-    provenance: dict = field(default_factory=dict)
     disabled: set = field(default_factory=set)
+    timings: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)  # pass name -> lines for explain
 
-    def record(self, pass_name: str, line: str) -> None:
-        self.provenance.setdefault(pass_name, []).append(line)
+    def note(self, pass_name: str, line: str) -> None:
+        self.notes.setdefault(pass_name, []).append(line)
 
 
-Pass = Callable[[nn.Module, PassContext], nn.Module]
+GraphPass = Callable[[torch.fx.GraphModule, Plan, PassContext], torch.fx.GraphModule]
 
 
-def run_passes(module: nn.Module, ctx: PassContext, passes: list[tuple[str, Pass]]) -> nn.Module:
-    done = []
+def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes: list[tuple[str, GraphPass]]) -> torch.fx.GraphModule:
+    done: list[str] = []
     for name, fn in passes:
         if name in ctx.disabled:
-            ctx.record(name, "disabled by the user")
+            ctx.note(name, "disabled by the user")
             continue
         t0 = time.perf_counter()
         try:
-            out = fn(module, ctx)
+            out = fn(gm, ctx.plan, ctx)
         except AutoparError:
             raise
         except Exception as e:
             raise AutoparError(
                 f"pass {name!r} failed after {', '.join(done) or 'no other pass'}: {type(e).__name__}: {e}"
             ) from e
-        if not isinstance(out, nn.Module):
-            raise AutoparError(f"pass {name!r} returned {type(out).__name__}, not an nn.Module")
-        module = out
+        if not isinstance(out, torch.fx.GraphModule):
+            raise AutoparError(f"pass {name!r} returned {type(out).__name__}, not a torch.fx.GraphModule")
+        ctx.timings[name] = time.perf_counter() - t0
+        log.info("pass %s: %.2fs, ops %s", name, ctx.timings[name], _op_diff(gm, out))
+        gm = out
         done.append(name)
-        log.info("pass %s: %.2fs", name, time.perf_counter() - t0)
-    return module
+    return gm
+
+
+def _op_diff(before: torch.fx.GraphModule, after: torch.fx.GraphModule) -> str:
+    a, b = count_ops(before), count_ops(after)
+    diff = {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
+    return ", ".join(f"{k} {v:+d}" for k, v in sorted(diff.items())) or "unchanged"
+
+
+def count_ops(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(op_short(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def op_short(target: Any) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+
+
+def collectives(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The collective nodes of a graph, in order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and op_short(n.target) in COLLECTIVES]
+
+
+def collective_record(n: torch.fx.Node) -> dict:
+    """kind, group size, bytes (of the result) and origin of one collective node."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    kind = op_short(n.target)
+    group = n.args[-1]
+    size = None
+    try:
+        size = _resolve_process_group(group).size()
+    except Exception:
+        size = n.args[1] if kind != "all_reduce" and isinstance(n.args[1], int) else None
+    val = n.meta.get("val")
+    nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    custom = n.meta.get("custom", {})
+    return {"kind": kind, "group": str(group), "group_size": size, "bytes": int(nbytes),
+            "pass": custom.get("pass", "?"), "source": custom.get("source", ""), "module": custom.get("module", "")}

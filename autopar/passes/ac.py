@@ -1,49 +1,71 @@
-"""Activation checkpointing per layer, as the plan says: ``full`` recomputes the whole block in
-backward; ``selective`` saves the outputs of matmuls and attention kernels and recomputes the rest
-(op-level selective AC, as torchtitan). The block's ``forward`` is wrapped in place, so parameter
-names (and state_dict keys) do not change and the user wraps nothing.
+"""Activation checkpointing and ZeRO-3 resharding as recompute tags on the joint graph.
+
+For every forward node of a layer whose plan says ``full``, ``node.meta["recompute"]`` is
+``PREFER_RECOMPUTE``; under ``selective`` the outputs of matmuls and attention kernels are
+``MUST_SAVE`` and the rest ``PREFER_RECOMPUTE`` (op-level selective AC). ``ac_graph_id`` is the
+layer, so each layer is its own region. Ops tagged ``nondeterministic_seeded`` (the CPU flash
+attention kernel is one) are always saved: recomputing them would not reproduce their output.
+When the plan reshards after forward (ZeRO-3), each parameter's gather is ``MUST_RECOMPUTE``:
+the backward gathers it again instead of keeping it. The min-cut partitioner (``backend``)
+honours the tags, as it does for ``torch.utils.checkpoint`` regions.
 """
 
 from __future__ import annotations
 
-import functools
+import operator
 
 import torch
-import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
 from autopar.passes import PassContext
-from autopar.passes.pp import is_real_block
 
 _aten = torch.ops.aten
 SAVE_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 
 
-def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes of the joint graph that do not depend on a tangent (the forward part)."""
+    backward = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n not in backward]
 
 
-def _wrap(block: nn.Module, mode: str) -> None:
-    inner = block.forward
-    kw = {} if mode == "full" else {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy)}
-
-    # A plain function, not a functools.partial: Dynamo compiles through a function but silently
-    # runs a partial-of-checkpoint forward eagerly (no graph at all).
-    def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kw, **kwargs)
-
-    block.forward = forward
+def _policy(n: torch.fx.Node, mode: str):
+    target = n.args[0].target if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) else n.target
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return CheckpointPolicy.MUST_SAVE
+    if mode == "selective" and target in SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, ctx: PassContext) -> nn.Module:
-    mods = dict(model.named_modules())
-    for layer in ctx.plan.layers:
-        if layer.ac == "none" or layer.fqn not in mods or not is_real_block(mods[layer.fqn]):
+def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.GraphModule:
+    modes = {i: l.ac for i, l in enumerate(plan.layers)}
+    reshard = plan.fsdp and plan.reshard_after_forward and plan.dp_shard > 1
+    tagged: dict[str, int] = {}
+    for n in forward_nodes(gm):
+        custom = n.meta.get("custom", {})
+        if reshard and custom.get("pass") == "fsdp":
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = 0
+            tagged["reshard"] = tagged.get("reshard", 0) + 1
             continue
-        _wrap(mods[layer.fqn], layer.ac)
-        ctx.record("ac", f"{layer.fqn}: {layer.ac} checkpoint")
-    return model
+        layer = custom.get("layer")
+        mode = modes.get(layer, "none") if layer is not None else "none"
+        if mode == "none":
+            continue
+        n.meta["recompute"] = _policy(n, mode)
+        n.meta["ac_graph_id"] = layer + 1
+        tagged[mode] = tagged.get(mode, 0) + 1
+    for k, v in sorted(tagged.items()):
+        ctx.note("ac", f"{v} forward nodes tagged {k}" if k != "reshard" else
+                 f"{v} parameter-gather nodes recomputed in backward (reshard after forward)")
+    gm.recompile()
+    return gm

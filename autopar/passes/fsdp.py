@@ -1,41 +1,41 @@
-"""FSDP (ZeRO-3) with FSDP2's ``fully_shard``: each block is one unit (all-gathered before use,
-reduce-scattered after backward, resharded after forward per the plan), then the root for the
-embedding and head. HSDP when the plan replicates: a 2-D (dp_replicate, dp_shard) mesh.
-Mixed precision (bf16 compute, fp32 reduce and master weights) for bf16/fp16 plans.
-Plans with data parallelism but no FSDP keep full replicas; the runtime all-reduces their
-gradients after backward.
+"""Data parallelism as parameter placements, SimpleFSDP-style: FSDP (ZeRO-3), HSDP and DDP.
+
+Each parameter (already split by TP) is kept as a shard on the ``dp_shard`` mesh dim, split along
+its first dimension that TP does not split (so the two splits are independent and a checkpoint is
+an ordinary DTensor), and replicated on ``dp_replicate``; DDP keeps it whole. The step reads it
+through ``read_param``: a DTensor on the data-parallel mesh redistributed to replicated (an
+all-gather over ``dp_shard``) whose local value carries ``Partial`` gradient placements, so
+autograd's backward of that read is the gradient's reduce-scatter (FSDP), all-reduce
+(``dp_replicate``, DDP) or both (HSDP), in the graph, with nothing outside it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-from autopar.passes import PassContext
-from autopar.passes.pp import is_real_block
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
-def apply_fsdp(model: nn.Module, ctx: PassContext) -> nn.Module:
-    plan = ctx.plan
-    if not plan.fsdp or plan.dp == 1:
-        return model
-    if plan.dp_shard == plan.dp:
-        mesh = ctx.mesh["dp_shard"]
-    else:
-        mesh = ctx.mesh["dp_replicate", "dp_shard"]
-    mp = None
-    if plan.precision in ("bf16", "fp16"):
-        dt = torch.bfloat16 if plan.precision == "bf16" else torch.float16
-        mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32)
-    kw = {"mesh": mesh}
-    if mp is not None:
-        kw["mp_policy"] = mp
-    mods = dict(model.named_modules())
-    for layer in plan.layers:
-        if layer.fqn in mods and is_real_block(mods[layer.fqn]):
-            fully_shard(mods[layer.fqn], reshard_after_forward=plan.reshard_after_forward, **kw)
-            ctx.record("fsdp", f"{layer.fqn}: fully_shard over {tuple(mesh.mesh.shape)}")
-    fully_shard(model, reshard_after_forward=plan.reshard_after_forward, **kw)
-    ctx.record("fsdp", f"root: fully_shard over {tuple(mesh.mesh.shape)}")
-    return model
+def dp_placements(shapes: list, tp_placements: dict, dp_shard: int, fsdp: bool) -> dict:
+    """parameter index -> Placement on the dp_shard mesh dim."""
+    out = {}
+    for i, shape in enumerate(shapes):
+        pl = Replicate()
+        if fsdp and dp_shard > 1:
+            tp_dim = getattr(tp_placements.get(i), "dim", None)
+            dims = [d for d in range(len(shape)) if d != tp_dim and shape[d] >= dp_shard]
+            even = [d for d in dims if shape[d] % dp_shard == 0]
+            if even or dims:
+                pl = Shard((even or dims)[0])
+        out[i] = pl
+    return out
+
+
+def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple) -> torch.Tensor:
+    """The parameter gathered over the data-parallel mesh (its TP shard), differentiable: the
+    gradient is reduced back to this rank's shard."""
+    stride = torch.empty(tp_local_shape, device="meta").stride()
+    d = DTensor.from_local(local, dp_mesh, dp_pls, run_check=False, shape=torch.Size(tp_local_shape), stride=stride)
+    whole = [Replicate()] * len(dp_pls)
+    if list(dp_pls) != whole:
+        d = d.redistribute(dp_mesh, whole)
+    return d.to_local(grad_placements=[Partial("sum")] * len(dp_pls))

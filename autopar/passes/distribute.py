@@ -1,0 +1,218 @@
+"""The distribute pass: the single-device step graph becomes the parallel joint graph.
+
+An interpreter replays the single-device forward graph under ``make_fx`` on the rank's local
+tensors, with every parameter read through ``fsdp.read_param`` (its data-parallel gather) and,
+under TP, wrapped as a DTensor on the tp mesh dim with the placement from ``tp.tp_rules``. Each
+op then runs as a DTensor op, so activation placements follow by DTensor's sharding
+propagation, and the shapes baked into the graph (views, expands, head counts) are global shapes
+that DTensor turns into local ones. At the nodes the TP rules name, the value is redistributed
+(column inputs gathered once, row outputs reduced to the residual placement, the logits
+gathered). A fused projection's output, split into its equal parts (``split``/``chunk``/``slice``
+of an interleaved ``_StridedShard``), is split locally: each part is then an ordinary ``Shard``.
+The gradients are taken by autograd, through DTensor, inside the same trace, so the result is
+one joint graph ``(primals, tangents) -> (outputs, gradients)`` on local tensors with every
+collective an explicit ``_c10d_functional`` op.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar import passes
+from autopar.errors import AutoparError
+from autopar.passes import dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.passes.fsdp import read_param
+from autopar.passes.tp import TPRules
+
+_aten = torch.ops.aten
+_SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
+
+
+@dataclass
+class Layout:
+    """Where each parameter of the step lives: TP placement on the ``tp`` dim, data-parallel
+    placement on ``dp_shard`` (replicated on ``dp_replicate``). ``param_mesh`` holds the mesh
+    dims of size > 1 among (dp_replicate, dp_shard, tp); None on one process."""
+
+    shapes: list  # global shapes, by parameter index
+    tp: dict
+    dp: dict
+    param_mesh: object = None
+    param_dims: tuple = ()
+    tp_mesh: object = None
+    dp_mesh: object = None
+    dp_dims: tuple = ()
+    dp_size: int = 1
+
+    def placements(self, i: int) -> tuple:
+        by_dim = {"dp_replicate": Replicate(), "dp_shard": self.dp[i], "tp": self.tp.get(i, Replicate())}
+        return tuple(by_dim[d] for d in self.param_dims)
+
+    def tp_local_shape(self, i: int) -> tuple:
+        shape = list(self.shapes[i])
+        p = self.tp.get(i)
+        if self.tp_mesh is not None and isinstance(p, Shard):
+            shape[p.dim] //= self.tp_mesh.size()
+        return tuple(shape)
+
+    def dp_placements(self, i: int) -> list:
+        return [Replicate() if d == "dp_replicate" else self.dp[i] for d in self.dp_dims]
+
+
+def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh) -> list | None:
+    """Split an interleaved (``_StridedShard``) fused output into its parts locally."""
+    p = x.placements[0]
+    if not isinstance(p, _StridedShard):
+        return None
+    dim = args[2] if len(args) > 2 else n.kwargs.get("dim", 0)
+    if dim % x.dim() != p.dim % x.dim():
+        return None
+    parts = len(n.meta["val"])
+    if parts != p.split_factor:
+        return None
+    local = x.to_local()
+    return [DTensor.from_local(c, tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape, stride=v.stride())
+            for c, v in zip(local.chunk(parts, dim), n.meta["val"])]
+
+
+def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh):
+    p = x.placements[0]
+    if not isinstance(p, _StridedShard):
+        return None
+    _, dim, start, end = (list(args) + [0, None, None])[:4]
+    size = x.shape[dim]
+    part = size // p.split_factor
+    end = size if end is None or end > size else end
+    if dim % x.dim() != p.dim % x.dim() or start % part or end - start != part:
+        return None
+    local = x.to_local()
+    lp = local.shape[dim] // p.split_factor
+    k = start // part
+    piece = local.narrow(dim, k * lp, lp)
+    v = n.meta["val"]
+    return DTensor.from_local(piece, tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape, stride=v.stride())
+
+
+def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mesh, sp: bool) -> list:
+    """Run ``gm``'s nodes on ``values`` (DTensors where TP applies), redistributing as ``rules`` say."""
+    env: dict = {}
+    gathered: dict = {}
+    phs = iter(values)
+    act = [Shard(1) if sp else Replicate()]
+
+    def to_tp(x, placement):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+        if x.placements[0] != placement[0]:
+            if sp and placement[0] == Shard(1) and x.dim() < 2:
+                return x
+            x = x.redistribute(tp_mesh, placement)
+        return x
+
+    def arg(a, node):
+        if rules is not None and a in rules.gathered and node in rules.gathered[a]:
+            if a not in gathered:
+                with fx_traceback.annotate({"pass": "tp", "source": a.name, "why": "column input gathered"}):
+                    gathered[a] = to_tp(env[a], [Replicate()])
+            return gathered[a]
+        return env[a]
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = next(phs)
+            continue
+        if n.op == "output":
+            outs = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
+            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            with fx_traceback.annotate({"pass": "tp", "why": "output gathered"}):
+                return [o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local()
+                        if isinstance(o, DTensor) else o for o in outs]
+        args = torch.fx.node.map_arg(n.args, lambda a: arg(a, n))
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arg(a, n))
+        with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
+            out = None
+            if rules is not None and args and isinstance(args[0], DTensor):
+                if n.target in _SPLIT_OPS:
+                    out = _local_split(args[0], n, args, tp_mesh)
+                elif n.target == _aten.slice.Tensor:
+                    out = _local_slice(args[0], n, args, tp_mesh)
+            if out is None:
+                out = n.target(*args, **kwargs)
+            if rules is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
+                if n in rules.to_residual:
+                    out = to_tp(out, act)
+                elif n in rules.to_replicate:
+                    out = to_tp(out, [Replicate()])
+        env[n] = out
+    raise AutoparError("the step graph has no output")
+
+
+def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: list) -> torch.fx.GraphModule:
+    """The joint graph ``(primals, tangents) -> [*outputs, *gradients]`` on local tensors.
+
+    ``primals`` = local parameter shards, buffers, inputs (and target); gradients are returned
+    for the parameters that require them, in parameter order, averaged over data parallelism."""
+    P = sg.n_params
+    needs = [bool(example[i].requires_grad) for i in range(P)]
+    dp = layout.dp_size
+
+    def joint(primals, tangents):
+        params = primals[:P]
+        with implicit_replication():
+            vals = []
+            for i, x in enumerate(params):
+                if layout.dp_mesh is not None:
+                    with fx_traceback.annotate({"pass": "fsdp" if any(
+                            isinstance(p, Shard) for p in layout.dp_placements(i)) else "ddp",
+                            "source": sg.param_names[i]}):
+                        x = read_param(x, layout.dp_mesh, layout.dp_placements(i), layout.tp_local_shape(i))
+                if layout.tp_mesh is not None:
+                    x = DTensor.from_local(x, layout.tp_mesh, [layout.tp.get(i, Replicate())], run_check=False,
+                                           shape=torch.Size(layout.shapes[i]),
+                                           stride=torch.empty(layout.shapes[i], device="meta").stride())
+                vals.append(x)
+            outs = replay(sg.gm, vals + list(primals[P:]), rules, layout.tp_mesh, sp)
+            wrt = [p for p, need in zip(params, needs) if need]
+            grads = torch.autograd.grad(outs, wrt, [t / dp for t in tangents], allow_unused=True)
+        missing = [sg.param_names[i] for i, g in zip([i for i in range(P) if needs[i]], grads) if g is None]
+        if missing:
+            raise AutoparError(
+                f"{len(missing)} parameter(s) need a gradient but do not get one from the loss: "
+                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; set requires_grad=False "
+                "on parameters the model does not use, or remove them"
+            )
+        return [*outs, *grads]
+
+    tangents = [torch.ones(())] if sg.with_loss else [torch.ones(sg_out_shape(sg))]
+    with fx_traceback.preserve_node_meta():
+        traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
+    # Functionalise (the forward may mutate fresh tensors, e.g. add_ on an arange) for the
+    # partitioner; an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
+    def fn(primals, tangents):
+        return torch.fx.Interpreter(traced).run(*primals, *tangents)
+
+    with fx_traceback.preserve_node_meta():
+        return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
+                       _allow_non_fake_inputs=True)(example, tangents)
+
+
+def sg_out_shape(sg) -> tuple:
+    out = next(iter(sg.gm.graph.find_nodes(op="output")))
+    v = out.args[0][0].meta["val"] if isinstance(out.args[0], (list, tuple)) else out.args[0].meta["val"]
+    return tuple(v.shape)
+
+
+def distribute(gm: torch.fx.GraphModule, plan, ctx: "passes.PassContext") -> torch.fx.GraphModule:
+    """Pass entry: ``gm`` is the single-device step graph; ``ctx.step`` carries its StepGraph,
+    the Layout, the TP rules and the example primals."""
+    s = ctx.step
+    assert s.graph.gm is gm
+    return build_joint(s.graph, s.layout, s.rules, bool(plan.sp) and plan.tp > 1, s.example)

@@ -1,0 +1,44 @@
+"""Sharding rules DTensor lacks on PyTorch 2.13, registered once on import.
+
+``_scaled_dot_product_flash_attention_for_cpu`` (what ``scaled_dot_product_attention`` runs on CPU)
+has no strategy, so DTensor would propagate through its decomposition: correct, but it expands the
+strategy space of a dozen ops and takes minutes. The rule is the one DTensor has for the CUDA flash
+kernel: all replicated, or heads sharded (dim 1 of ``(batch, heads, seq, head_dim)``), or batch
+sharded; an attention mask follows the heads or batch dim when it has one, else is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+
+_aten = torch.ops.aten
+
+
+def _mask_placement(op_schema, dim: int) -> list:
+    mask = op_schema.kwargs_schema.get("attn_mask")
+    if mask is None or not hasattr(mask, "strategies"):
+        return []
+    shape = mask.strategies[0].output_spec.tensor_meta.shape
+    return [Shard(dim) if len(shape) == 4 and shape[dim] > 1 else Replicate()]
+
+
+def _attention_strategy(op_schema, n_out: int, n_in: int):
+    rows = [[Replicate()] * (n_out + n_in + len(_mask_placement(op_schema, 1)))]
+    for dim in (1, 0):  # heads, batch
+        rows.append([Shard(dim)] * (n_out + n_in) + _mask_placement(op_schema, dim))
+    return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, rows, input_index=n_out)
+
+
+@register_op_strategy(_aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"]))
+def _cpu_flash_forward(op_schema):
+    return _attention_strategy(op_schema, n_out=2, n_in=3)
+
+
+@register_op_strategy(_aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                      schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))
+def _cpu_flash_backward(op_schema):
+    return _attention_strategy(op_schema, n_out=3, n_in=6)
