@@ -204,7 +204,10 @@ class ModelProfile:
 
 
 def fqn_index(fqn: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in fqn.split("."))
+    """A natural sort key for module paths: layers.2 before layers.10, block_2 before block_10."""
+    import re
+
+    return tuple(tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)) for p in fqn.split("."))
 
 
 def _strip_views(node: torch.fx.Node) -> torch.fx.Node:

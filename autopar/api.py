@@ -388,8 +388,10 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled))
     ctx.step = StepState(sg, lay, rules, example + info["inputs"])
     joint = run_passes(sg.gm, ctx, [("distribute", distribute), ("ac", apply_ac)])
-    compiled = backend.build(joint, 1, inductor=inductor and "inductor" not in disabled)
-    grad_index = [i for i, q in enumerate(params) if q.requires_grad]
+    from autopar.passes.distribute import grad_inputs, output_values
+
+    compiled = backend.build(joint, len(output_values(sg)), inductor=inductor and "inductor" not in disabled)
+    grad_index = grad_inputs(sg, ctx.step.example)
     n_args = len(params) + len(buffers) + len(info["inputs"])
     info.setdefault("collectives", {})["step" if sg.with_loss else "forward"] = [
         dict(collective_record(n), graph=g) for g, gm in (("forward", compiled.fw_graph), ("backward", compiled.bw_graph))
@@ -397,6 +399,52 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     info.setdefault("notes", {}).update(ctx.notes)
     info.setdefault("timings", {}).update({**ctx.timings, "backend": compiled.compile_s})
     return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in info["inputs"]])
+
+
+def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_fn: Callable, name: str, *,
+                      inductor: bool, disabled: set):
+    """Pipeline plans: the forward graph cut into stage graphs (``passes/pp.py``); this rank's
+    stages each go through the same passes and backend; parameters of other ranks' stages are
+    dropped from the module."""
+    from autopar import capture
+    from autopar.passes import pp as pp_mod
+    from autopar.passes.tp import placement_str
+    from autopar.runtime import ParallelModule
+
+    mb_ids = ids[: p.mb]
+    sg = capture.trace_step(model, (mb_ids,), name=name)
+    n_stages = p.pp * p.v
+    stages = pp_mod.split(sg, pp_mod.layer_stages(sg, p), n_stages)
+    rank = mesh.get_local_rank("pp")
+    mine = [s for s in range(n_stages) if s % p.pp == rank]
+    keep = {n for s in mine for n in stages[s].param_names}
+    for pname in sg.param_names:
+        if pname not in keep:
+            for n in [pname, *sg.aliases.get(pname, [])]:
+                owner, _, attr = n.rpartition(".")
+                (model.get_submodule(owner) if owner else model)._parameters[attr] = None
+    runners, placements, notes, info = {}, [], [], {"param_names": sorted(keep), "output_type": None}
+    for s in mine:
+        st = stages[s]
+        lay, rules = _layout(st, p, mesh)
+        placements += [(n, placement_str(lay.tp[i]) if i in lay.tp else "R", placement_str(lay.dp[i]))
+                       for i, n in enumerate(st.param_names)]
+        notes += list(rules.notes if rules else ())
+        locals_ = _distribute_parameters(model, st, lay)
+        phs = st.placeholders()[st.n_params + len(st.buffer_names):]
+        inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype).requires_grad_(
+            ph.meta["val"].is_floating_point()) if i < len(phs) - 1 else mb_ids for i, ph in enumerate(phs)]
+        sinfo = {"inputs": inputs}
+        runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
+                                        disabled=disabled, info=sinfo))
+        for k, v in sinfo["collectives"].items():
+            info.setdefault("collectives", {})[f"stage {s}"] = v
+        info.setdefault("notes", {}).update(sinfo["notes"])
+        info.setdefault("timings", {}).update({f"stage {s} {k}": v for k, v in sinfo["timings"].items()})
+    p = dataclasses.replace(p, placements=tuple(placements), tp_notes=tuple(notes))
+    info["buffers"] = []
+    return ParallelModule(model, p, mesh, step_runner=None, forward_factory=None, loss_fn=loss_fn, info=info,
+                          stages=runners)
 
 
 def compile(
@@ -460,14 +508,12 @@ def compile(
         dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
     if device == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
+    loss_fn = loss_fn or capture.default_loss
     if p.pp > 1:
-        from autopar.passes import pp as pp_mod
-
-        pm = pp_mod.compile_pipeline(model, p, dmesh, example_inputs=example_inputs, loss_fn=loss_fn,
-                                     inductor=compile, disabled=set(disable_passes))
+        pm = _compile_pipeline(model, p, dmesh, ids, loss_fn, prof.source_name, inductor=compile,
+                               disabled=set(disable_passes))
         pm.tuning = tuning
         return pm
-    loss_fn = loss_fn or capture.default_loss
     mb_ids = ids[: p.mb]
     mb_tgt = torch.zeros_like(mb_ids)
     sg = capture.trace_step(model, (mb_ids,), target=mb_tgt, loss_fn=loss_fn, name=prof.source_name)

@@ -56,9 +56,21 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
 
 
 def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool) -> CompiledStep:
+    """Partition and compile. With several processes, rank 0 compiles first and the others
+    after it: ranks with the same graph (TP and data-parallel ranks have the same one) then load
+    Inductor's cached code instead of compiling it again on the same cores."""
+    import torch.distributed as dist
+
     t0 = time.perf_counter()
     fw, bw = partition(joint, n_outputs)
-    step = CompiledStep(compile_graph(fw, inductor), compile_graph(bw, inductor), fw, bw, n_outputs)
+    ordered = inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
+    if ordered and dist.get_rank() != 0:
+        dist.barrier()
+    try:
+        step = CompiledStep(compile_graph(fw, inductor), compile_graph(bw, inductor), fw, bw, n_outputs)
+    finally:
+        if ordered and dist.get_rank() == 0:
+            dist.barrier()
     step.compile_s = time.perf_counter() - t0
     log.info("backend: partition + %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)
     return step

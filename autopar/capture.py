@@ -131,19 +131,15 @@ def _signature(m: nn.Module) -> str:
 
 
 def find_block_container(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """The ModuleList/Sequential with the most parameters whose children repeat a signature."""
-    best: tuple[int, str, list] = (0, "", [])
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
-            continue
-        kids = list(mod.named_children())
-        sigs = [_signature(k) for _, k in kids]
-        if max(sigs.count(s) for s in set(sigs)) < 2:
-            continue
-        n_params = sum(p.numel() for p in mod.parameters())
-        if n_params > best[0]:
-            best = (n_params, name, [(f"{name}.{k}" if name else k, m) for k, m in kids])
-    return best[1], best[2]
+    """The repeated layers (``find_layers``) and the longest module path that holds them all."""
+    layers = find_layers(model)
+    mods = dict(model.named_modules())
+    prefix = layers[0].split(".")[:-1] if layers else []
+    for name in layers[1:]:
+        parts = name.split(".")
+        while prefix and parts[: len(prefix)] != prefix:
+            prefix = prefix[:-1]
+    return ".".join(prefix), [(n, mods[n]) for n in layers]
 
 
 class _OutsideRecorder(TorchDispatchMode):

@@ -59,14 +59,18 @@ class _RunGraphs(torch.autograd.Function):
         ctx.runner = runner
         ctx.saved = [o for o in outs[n:] if isinstance(o, torch.Tensor)]
         ctx.metas = [(a.device_mesh, a.placements, a.shape, a.stride()) if hasattr(a, "_local_tensor") else None
-                     for a in args[: runner.n_params]]
-        return tuple(outs[:n])
+                     for a in args]
+        result = tuple(outs[:n])
+        ctx.out_meta = [(o.shape, o.dtype) for o in result]
+        ctx.mark_non_differentiable(*[o for o in result if not o.is_floating_point()])
+        return result
 
     @staticmethod
     def backward(ctx, *grads):
         runner = ctx.runner
         saved, ctx.saved = ctx.saved, None
-        tangents = [g if g is not None else torch.zeros(()) for g in grads]
+        tangents = [g if g is not None else torch.zeros(shape, dtype=dtype)
+                    for g, (shape, dtype) in zip(grads, ctx.out_meta) if dtype.is_floating_point]
         out = runner.compiled.bw(*saved, *tangents)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         result: list = [None] * (1 + runner.n_args)
@@ -82,7 +86,8 @@ class _RunGraphs(torch.autograd.Function):
 
 
 class StepRunner:
-    """One compiled step graph (with the loss, for ``step``; or the logits, for ``forward``)."""
+    """One compiled step graph: the loss (``step``), the logits (``forward``), or a pipeline
+    stage's outputs. ``grad_index``: the argument positions that receive gradients."""
 
     def __init__(self, compiled, n_params: int, n_args: int, grad_index: list[int], input_shapes: list):
         self.compiled, self.n_params, self.n_args = compiled, n_params, n_args
@@ -92,12 +97,36 @@ class StepRunner:
         return _RunGraphs.apply(self, *params, *buffers, *inputs)
 
 
+class _StageModule(nn.Module):
+    """A pipeline stage as the schedule sees it: the stage graph's runner over the parallel
+    module's parameters (registered there, not here)."""
+
+    def __init__(self, pm: "ParallelModule", sg, runner: StepRunner):
+        super().__init__()
+        object.__setattr__(self, "_pm", pm)
+        self._sg, self._runner = sg, runner
+        phs = sg.placeholders()
+        self.input_meta = [(tuple(ph.meta["val"].shape), ph.meta["val"].dtype)
+                           for ph in phs[sg.n_params + len(sg.buffer_names):]]
+        from autopar.passes.distribute import output_values
+
+        self.output_meta = [(tuple(v.shape), v.dtype) for v in output_values(sg)]
+
+    def forward(self, *inputs):
+        pm = self._pm
+        params = [pm.get_parameter(n) for n in self._sg.param_names]
+        buffers = [pm.get_buffer(n) for n in self._sg.buffer_names]
+        outs = self._runner(params, buffers, list(inputs))
+        return outs if len(outs) > 1 else outs[0]
+
+
 class ParallelModule(nn.Module):
     """The parallel model: an ``nn.Module`` whose parameters (original names) are the local
     shards of this rank, as DTensors. A plain optimizer over ``parameters()`` trains it."""
 
     def __init__(self, model: nn.Module, plan: Plan, mesh, *, step_runner: StepRunner | None,
-                 forward_factory: Callable[[tuple], StepRunner] | None, loss_fn: Callable, info: dict):
+                 forward_factory: Callable[[tuple], StepRunner] | None, loss_fn: Callable, info: dict,
+                 stages: dict | None = None):
         super().__init__()
         # Share the user's submodules and parameter/buffer dicts: names stay the original ones.
         self._modules = model._modules
@@ -108,6 +137,8 @@ class ParallelModule(nn.Module):
         self._step_runner = step_runner
         self._forward_factory = forward_factory
         self._forward_runners: dict = {}
+        self._stages = stages or {}  # pipeline stage index -> (StepGraph, StepRunner), this rank's
+        self._schedules: dict = {}
         self.info = info  # what the passes did: collectives, notes, timings
         self._pending_loss = None
         self._buffer_list = info["buffers"]
@@ -176,7 +207,7 @@ class ParallelModule(nn.Module):
         sl = slice(self._dp_rank * local, (self._dp_rank + 1) * local)
         ids_l, tgt_l = ids[sl], target[sl]
         M = local // plan.mb
-        want = tuple(self._step_runner.input_shapes[0])
+        want = (plan.mb, plan.seq_len)
         if (plan.mb, ids.shape[1]) != want:
             raise AutoparError(
                 f"step() got sequences of {ids.shape[1]} tokens in microbatches of {plan.mb}, but the step "
@@ -198,8 +229,47 @@ class ParallelModule(nn.Module):
         self._pending_loss = loss
         return loss
 
-    def _pipeline_step(self, ids, target, M):
-        raise AutoparError("pipeline plans run through autopar.passes.pp")
+    def _schedule(self, M: int):
+        """The pipelining schedule for M microbatches (built once per M)."""
+        if M not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+            plan = self.plan
+            if M < plan.pp or (plan.schedule == "interleaved" and M % plan.pp):
+                raise AutoparError(f"{M} microbatches do not fit the {plan.schedule} schedule over {plan.pp} stages; "
+                                   f"use a global batch of a multiple of {plan.pp * plan.mb * plan.dp} sequences")
+            group = self.mesh["pp"].get_group()
+            stages = []
+            for idx, (sg, runner) in sorted(self._stages.items()):
+                mod = _StageModule(self, sg, runner)
+                ins = tuple(torch.zeros(shape, dtype=dt, requires_grad=dt.is_floating_point)
+                            for shape, dt in mod.input_meta)
+                outs = tuple(torch.zeros(shape, dtype=dt, requires_grad=dt.is_floating_point)
+                             for shape, dt in mod.output_meta)
+                stages.append(PipelineStage(mod, idx, plan.pp * plan.v, torch.device(self.mesh.device_type),
+                                            input_args=ins, output_args=outs if len(outs) > 1 else outs[0],
+                                            group=group))
+
+            def loss_fn(out, tgt):  # each microbatch's loss scaled by 1/M: the mean's gradient
+                return self.loss_fn(out, tgt) / M
+
+            if plan.schedule == "interleaved":
+                sched = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+            else:
+                cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
+                sched = cls(stages[0], n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+            self._schedules[M] = sched
+        return self._schedules[M]
+
+    def _pipeline_step(self, ids: torch.Tensor, target: torch.Tensor, M: int) -> torch.Tensor:
+        n_stages = self.plan.pp * self.plan.v
+        sched = self._schedule(M)
+        args = (ids,) if 0 in self._stages else ()
+        losses: list = []
+        kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stages else {}
+        sched.step(*args, **kwargs)
+        loss = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros((), device=ids.device)
+        return funcol.all_reduce(loss, "sum", self.mesh["pp"].get_group())  # only the last stage contributes
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -23,18 +23,12 @@ def free_port() -> int:
 
 
 def build(kind: str) -> torch.nn.Module:
-    from autopar import models
+    """A tiny model of each family, seeded: ``hf-*`` from transformers, ``custom-llama`` written
+    as another project would, the rest autopar's own presets."""
+    from tests import zoo
 
     torch.manual_seed(0)
-    if kind == "hf-llama":
-        import transformers
-
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
-                                       max_position_embeddings=64, use_cache=False)
-        cfg._attn_implementation = "sdpa"
-        return transformers.LlamaForCausalLM(cfg)
-    return models.build_preset(kind)
+    return zoo.build(kind)
 
 
 def batch(seed: int, B: int = 8, S: int = 32, vocab: int = 256):

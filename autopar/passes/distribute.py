@@ -129,6 +129,9 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
         if n.op == "placeholder":
             env[n] = next(phs)
             continue
+        if n.op == "get_attr":  # a constant the model made (e.g. a scale as a tensor)
+            env[n] = getattr(gm, n.target)
+            continue
         if n.op == "output":
             outs = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -158,11 +161,15 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
 def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: list) -> torch.fx.GraphModule:
     """The joint graph ``(primals, tangents) -> [*outputs, *gradients]`` on local tensors.
 
-    ``primals`` = local parameter shards, buffers, inputs (and target); gradients are returned
-    for the parameters that require them, in parameter order, averaged over data parallelism."""
+    ``primals`` = local parameter shards, buffers, inputs (and target). Gradients are returned
+    for the parameters that require them, in parameter order, averaged over data parallelism,
+    then for the floating-point inputs (a pipeline stage's received activations). There is one
+    tangent per floating-point output."""
     P = sg.n_params
-    needs = [bool(example[i].requires_grad) for i in range(P)]
+    wrt_index = grad_inputs(sg, example)
     dp = layout.dp_size
+    outs_meta = output_values(sg)
+    float_out = [i for i, v in enumerate(outs_meta) if v.is_floating_point()]
 
     def joint(primals, tangents):
         params = primals[:P]
@@ -180,20 +187,23 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                                            stride=torch.empty(layout.shapes[i], device="meta").stride())
                 vals.append(x)
             outs = replay(sg.gm, vals + list(primals[P:]), rules, layout.tp_mesh, sp)
-            wrt = [p for p, need in zip(params, needs) if need]
-            grads = torch.autograd.grad(outs, wrt, [t / dp for t in tangents], allow_unused=True)
-        missing = [sg.param_names[i] for i, g in zip([i for i in range(P) if needs[i]], grads) if g is None]
+            wrt = [primals[i] for i in wrt_index]
+            grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
+                                        allow_unused=True)
+        missing = [sg.param_names[i] for i, g in zip(wrt_index, grads) if g is None and i < P]
         if missing:
             raise AutoparError(
                 f"{len(missing)} parameter(s) need a gradient but do not get one from the loss: "
                 f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; set requires_grad=False "
                 "on parameters the model does not use, or remove them"
             )
+        grads = [g if g is not None else torch.zeros_like(w) for g, w in zip(grads, wrt)]
         return [*outs, *grads]
 
-    tangents = [torch.ones(())] if sg.with_loss else [torch.ones(sg_out_shape(sg))]
+    tangents = [torch.ones(outs_meta[i].shape, dtype=outs_meta[i].dtype) for i in float_out]
     with fx_traceback.preserve_node_meta():
         traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
+
     # Functionalise (the forward may mutate fresh tensors, e.g. add_ on an arange) for the
     # partitioner; an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
     def fn(primals, tangents):
@@ -204,10 +214,19 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                        _allow_non_fake_inputs=True)(example, tangents)
 
 
-def sg_out_shape(sg) -> tuple:
+def grad_inputs(sg, example: list) -> list[int]:
+    """Primal positions that get a gradient: parameters that require one, then floating-point
+    inputs (not buffers, not the target)."""
+    P, B = sg.n_params, len(sg.buffer_names)
+    params = [i for i in range(P) if example[i].requires_grad]
+    inputs = [P + B + j for j in range(sg.n_inputs) if example[P + B + j].is_floating_point()]
+    return params + inputs
+
+
+def output_values(sg) -> list:
     out = next(iter(sg.gm.graph.find_nodes(op="output")))
-    v = out.args[0][0].meta["val"] if isinstance(out.args[0], (list, tuple)) else out.args[0].meta["val"]
-    return tuple(v.shape)
+    args = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    return [a.meta["val"] for a in args]
 
 
 def distribute(gm: torch.fx.GraphModule, plan, ctx: "passes.PassContext") -> torch.fx.GraphModule:

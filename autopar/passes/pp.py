@@ -1,0 +1,153 @@
+"""Pipeline parallelism cut from the traced graph.
+
+The single-device forward graph (logits out; the loss runs in the schedule) is split at the
+planned layer boundaries into one graph per pipeline stage, with no change to the user's module:
+
+- a node of repeated layer ``L`` belongs to the stage the plan gives ``L``;
+- a node that depends on no parameter and on no layer (positions, masks, rotary tables: functions
+  of the buffers and the token ids) is *free*: every stage that needs it recomputes it;
+- any other node runs on the latest stage among its inputs (the final norm, the head), or, when it
+  depends on no layer (the embedding), on the earliest stage among its users;
+- a value made on stage ``a`` and used on stage ``c`` crosses every boundary in between: each
+  stage outputs what later stages need, and the token ids travel along.
+
+Each stage graph is an ordinary ``StepGraph`` (its parameters, buffers, inputs), so it goes through
+the same distribute/AC passes and backend as a whole model; ``torch.distributed.pipelining``
+schedules (GPipe, 1F1B, interleaved 1F1B) run the compiled stages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.capture import StepGraph
+from autopar.errors import AutoparError
+
+
+def _stage_of_nodes(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> tuple[dict, set]:
+    gm = sg.gm
+    phs = sg.placeholders()
+    params = set(phs[: sg.n_params])
+    stage: dict = {}
+    free: set = set()
+    pending = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n not in params:
+                free.add(n)  # buffers, token ids
+            continue
+        if n.op == "get_attr":
+            free.add(n)
+            continue
+        if n.op == "output":
+            continue
+        layer = n.meta.get("custom", {}).get("layer")
+        ins = n.all_input_nodes
+        if layer is not None:
+            stage[n] = layer_stage[layer]
+        elif all(a in free for a in ins):
+            free.add(n)
+        else:
+            upstream = [stage[a] for a in ins if a in stage]
+            if upstream:
+                stage[n] = max(upstream)
+            else:
+                pending.append(n)  # reads parameters only (an embedding lookup)
+    for n in reversed(pending):
+        users = [stage[u] for u in n.users if u in stage]
+        stage[n] = min(users) if users else 0
+    (out,) = gm.graph.find_nodes(op="output")
+    for a in out.all_input_nodes:
+        if a in stage and stage[a] != n_stages - 1:
+            raise AutoparError("the model's output is computed before the last pipeline stage")
+    return stage, free
+
+
+def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[StepGraph]:
+    """One StepGraph per pipeline stage. Stage ``s``'s inputs: for ``s == 0`` the model inputs;
+    else what stage ``s-1`` outputs (values for later stages, then the model inputs)."""
+    gm = sg.gm
+    phs = sg.placeholders()
+    P, B = sg.n_params, len(sg.buffer_names)
+    model_inputs = phs[P + B:]
+    stage, free = _stage_of_nodes(sg, layer_stage, n_stages)
+    # Parameters used on more than one stage (tied embeddings) are the pipeline issue's work.
+    for i, ph in enumerate(phs[:P]):
+        used = {stage[u] for u in ph.users if u in stage}
+        if len(used) > 1:
+            raise AutoparError(
+                f"parameter {sg.param_names[i]} is used on pipeline stages {sorted(used)} (tied weights); "
+                "pipelining a model with weights shared across stages is not supported yet: pin pp=1"
+            )
+    # boundary[k]: values made on stages <= k and used on stages > k, in graph order.
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    need_after: dict = {}
+    for n, s in stage.items():
+        for a in n.all_input_nodes:
+            if a in stage and stage[a] < s:
+                need_after.setdefault(a, set()).add(s)
+    boundaries = []
+    for k in range(n_stages - 1):
+        vals = sorted((v for v, users in need_after.items() if stage[v] <= k and max(users) > k), key=order.get)
+        boundaries.append(vals)
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    stages = []
+    for s in range(n_stages):
+        g = torch.fx.Graph()
+        env: dict = {}
+        mine = [n for n in gm.graph.nodes if stage.get(n) == s]
+        needed_free = set()
+        stack = [a for n in mine for a in n.all_input_nodes if a in free]
+        while stack:
+            x = stack.pop()
+            if x in needed_free:
+                continue
+            needed_free.add(x)
+            stack += [a for a in x.all_input_nodes if a in free]
+        used_params = [i for i, ph in enumerate(phs[:P]) if any(stage.get(u) == s for u in ph.users)]
+        used_bufs = [j for j, ph in enumerate(phs[P:P + B]) if ph in needed_free]
+        for i in used_params:
+            env[phs[i]] = _placeholder(g, phs[i])
+        for j in used_bufs:
+            env[phs[P + j]] = _placeholder(g, phs[P + j])
+        received = boundaries[s - 1] if s > 0 else []
+        for v in received:
+            env[v] = _placeholder(g, v, name=f"recv_{v.name}")
+        for x in model_inputs:
+            env[x] = _placeholder(g, x)
+        for n in gm.graph.nodes:
+            if n.op in ("placeholder", "output") or n in env:
+                continue
+            if stage.get(n) == s or n in needed_free:
+                env[n] = g.node_copy(n, lambda a: env[a])
+        if s == n_stages - 1:
+            g.output(torch.fx.node.map_arg(out_node.args[0], lambda a: env[a]))
+            n_out_inputs = len(received)
+        else:
+            g.output([env[v] for v in boundaries[s]] + [env[x] for x in model_inputs])
+            n_out_inputs = len(received)
+        sgm = torch.fx.GraphModule(gm, g)
+        st = StepGraph(sgm, [sg.param_names[i] for i in used_params],
+                       {sg.param_names[i]: sg.aliases.get(sg.param_names[i], []) for i in used_params},
+                       [sg.buffer_names[j] for j in used_bufs], n_out_inputs + len(model_inputs), False,
+                       [], [tuple(v.meta["val"].shape) for v in received + model_inputs], sg.output_type)
+        stages.append(st)
+    return stages
+
+
+def _placeholder(g: torch.fx.Graph, src: torch.fx.Node, name: str | None = None) -> torch.fx.Node:
+    ph = g.placeholder(name or src.name)
+    ph.meta = dict(src.meta)
+    return ph
+
+
+def layer_stages(sg: StepGraph, plan) -> dict[int, int]:
+    """Layer index (in the traced graph) -> pipeline stage, from the plan."""
+    by_fqn = {l.fqn: l.chunk * plan.pp + l.stage for l in plan.layers}
+    missing = [f for f in sg.layers if f not in by_fqn]
+    if missing or len(sg.layers) != len(plan.layers):
+        raise AutoparError(
+            f"the plan's layers ({len(plan.layers)}, e.g. {plan.layers[0].fqn}) are not the model's repeated "
+            f"layers ({len(sg.layers)}, e.g. {sg.layers[0] if sg.layers else 'none'}); plan this model again"
+        )
+    return {i: by_fqn[f] for i, f in enumerate(sg.layers)}

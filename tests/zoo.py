@@ -1,0 +1,114 @@
+"""Tiny models of every family the tests train: HuggingFace ones from a config (no download),
+a Llama written the way another project writes one, and autopar's own presets."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 256
+DROPOUT_OFF = {"attention_dropout": 0.0}
+
+
+def _hf(kind: str) -> nn.Module:
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, max_position_embeddings=64, use_cache=False)
+    llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, **common)
+    if kind == "hf-llama":
+        cfg, cls = tf.LlamaConfig(**{**llama_like, "num_hidden_layers": 4}), tf.LlamaForCausalLM
+    elif kind == "hf-qwen2":
+        cfg, cls = tf.Qwen2Config(**llama_like, tie_word_embeddings=False), tf.Qwen2ForCausalLM
+    elif kind == "hf-mistral":
+        cfg, cls = tf.MistralConfig(**llama_like, sliding_window=None), tf.MistralForCausalLM
+    elif kind == "hf-gemma":
+        cfg, cls = tf.GemmaConfig(**llama_like, head_dim=8, tie_word_embeddings=True), tf.GemmaForCausalLM
+    elif kind == "hf-phi3":
+        cfg, cls = tf.Phi3Config(**{**llama_like, "num_key_value_heads": 8}, pad_token_id=0,
+                                 resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0), tf.Phi3ForCausalLM
+    elif kind == "hf-gpt2":
+        cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        cls = tf.GPT2LMHeadModel
+    elif kind == "hf-neox":
+        cfg = tf.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                               rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0, **common)
+        cls = tf.GPTNeoXForCausalLM
+    else:
+        raise KeyError(kind)
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg)
+
+
+class TokenTable(nn.Module):
+    """An embedding of the project's own (not nn.Embedding)."""
+
+    def __init__(self, n: int, dim: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(n, dim) * 0.02)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.table)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = Norm(dim), Norm(dim)
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.w13 = nn.Linear(dim, 4 * dim, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.wqkv(self.n1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        g, u = self.w13(self.n2(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(g) * u)
+
+
+class CustomLlama(nn.Module):
+    """Blocks in a ModuleDict, fused QKV and gate/up projections, its own embedding class."""
+
+    def __init__(self, dim: int = 64, heads: int = 8, layers: int = 2):
+        super().__init__()
+        self.tok = TokenTable(VOCAB, dim)
+        self.stack = nn.ModuleDict({f"block_{i}": FusedBlock(dim, heads) for i in range(layers)})
+        self.norm = Norm(dim)
+        self.out = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for blk in self.stack.values():
+            x = blk(x)
+        return self.out(self.norm(x))
+
+
+def build(kind: str) -> nn.Module:
+    if kind.startswith("hf-"):
+        return _hf(kind)
+    if kind == "custom-llama":
+        return CustomLlama()
+    from autopar import models
+
+    return models.build_preset(kind)
+
+
+del math
