@@ -61,7 +61,7 @@ class Linear:
     heads: int | None = None  # heads in the output (column) when reshaped to (n, d)
     partners: tuple[str, ...] = ()  # for a row linear: its column linears (weight names)
     transposed_storage: bool = True  # weight stored (out, in) as nn.Linear; False for Conv1D
-    fused: bool = False  # output split into several tensors (fused QKV): not TP-shardable
+    fused: bool = False  # output split into several tensors (fused QKV): split in interleaved parts
 
 
 @dataclass
@@ -337,12 +337,11 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     closures = {lin: closure(lin) for lin in linears}
     for lin, cl in closures.items():
         if cl & hidden_ph:
-            if is_fused(lin) or not linears[lin].transposed_storage:
-                # Fused projections, and weights stored (in, out) (HF Conv1D), stay replicated:
-                # contiguous column shards of them would not be head-aligned.
-                linears[lin].fused = is_fused(lin)
-            else:
-                linears[lin].role = "column"
+            # Fused projections (QKV, gate/up) are columns too: the executor splits them in
+            # interleaved parts (each rank its own heads of q, k and v); (in, out) weights (HF
+            # Conv1D) are split along their output dim like any other.
+            linears[lin].fused = is_fused(lin)
+            linears[lin].role = "column"
     tp_nodes: set[str] = set()
     for lin, cl in closures.items():
         if linears[lin].role == "column":

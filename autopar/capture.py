@@ -440,6 +440,7 @@ class StepGraph:
     layers: list[str]
     input_shapes: list[tuple[int, ...]]
     output_type: Any = None  # the model output's class when it is not a tensor (HF ModelOutput)
+    final: bool = True  # its outputs are the model's (False for all but the last pipeline stage)
 
     @property
     def n_params(self) -> int:

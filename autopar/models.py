@@ -140,23 +140,20 @@ class GPTConfig:
     vocab_size: int = 51200
     max_seq_len: int = 2048
     dropout: float = 0.0
+    tie_embeddings: bool = False  # the head shares the token embedding's weight (GPT-2, GPT-3)
 
 
 class GPTAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
-        self.q_proj = nn.Linear(cfg.dim, cfg.dim)
-        self.k_proj = nn.Linear(cfg.dim, cfg.dim)
-        self.v_proj = nn.Linear(cfg.dim, cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)  # fused, as Megatron-LM and GPT-2 do
         self.out_proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
@@ -190,6 +187,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's initialisation
+        nn.init.normal_(self.wpe.weight, std=0.01)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
@@ -231,7 +232,7 @@ PRESETS: dict[str, Any] = {
     # Small shapes for tests and CPU demos.
     "llama-tiny": _llama(64, 4, 8, 4, 160, vocab=256, seq=64, theta=10000.0),
     "llama-small": _llama(256, 8, 8, 4, 688, vocab=1024, seq=256, theta=10000.0),
-    "gpt-tiny": GPTConfig(64, 4, 4, 256, 64),
+    "gpt-tiny": GPTConfig(64, 4, 4, 256, 64, tie_embeddings=True),
     **{k: GPTConfig(h, n, a, 51200, 2048) for k, (h, a, n) in _GPT_TABLE.items()},
 }
 

@@ -3,8 +3,6 @@ a Llama written the way another project writes one, and autopar's own presets.""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,7 +18,7 @@ def _hf(kind: str) -> nn.Module:
     llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=4, **common)
     if kind == "hf-llama":
-        cfg, cls = tf.LlamaConfig(**{**llama_like, "num_hidden_layers": 4}), tf.LlamaForCausalLM
+        cfg, cls = tf.LlamaConfig(**llama_like), tf.LlamaForCausalLM
     elif kind == "hf-qwen2":
         cfg, cls = tf.Qwen2Config(**llama_like, tie_word_embeddings=False), tf.Qwen2ForCausalLM
     elif kind == "hf-mistral":
@@ -106,9 +104,10 @@ def build(kind: str) -> nn.Module:
         return _hf(kind)
     if kind == "custom-llama":
         return CustomLlama()
+    import dataclasses
+
     from autopar import models
 
-    return models.build_preset(kind)
-
-
-del math
+    cfg = models.PRESETS[kind]
+    return models.build_preset(kind) if kind not in ("llama-tiny", "gpt-tiny") else \
+        (models.Llama if kind == "llama-tiny" else models.GPT)(dataclasses.replace(cfg, n_layers=2))

@@ -117,11 +117,19 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
             x = x.redistribute(tp_mesh, placement)
         return x
 
+    def gather(x):
+        """A column group's input, whole on every rank. Its gradient (partial sums from the
+        column linears) is reduced here, once: a reduce-scatter back to sequence shards under SP,
+        else an all-reduce (Megatron's f), which ``from_local`` of a replicated value does."""
+        x = to_tp(x, [Replicate()])
+        return DTensor.from_local(x.to_local(), tp_mesh, [Replicate()], run_check=False, shape=x.shape,
+                                  stride=x.stride())
+
     def arg(a, node):
         if rules is not None and a in rules.gathered and node in rules.gathered[a]:
             if a not in gathered:
                 with fx_traceback.annotate({"pass": "tp", "source": a.name, "why": "column input gathered"}):
-                    gathered[a] = to_tp(env[a], [Replicate()])
+                    gathered[a] = gather(env[a])
             return gathered[a]
         return env[a]
 
@@ -164,10 +172,11 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     ``primals`` = local parameter shards, buffers, inputs (and target). Gradients are returned
     for the parameters that require them, in parameter order, averaged over data parallelism,
     then for the floating-point inputs (a pipeline stage's received activations). There is one
-    tangent per floating-point output."""
+    tangent per floating-point output; the data-parallel average (1/dp) is applied where the
+    gradient starts, at the graph that makes the model's output (the last pipeline stage)."""
     P = sg.n_params
     wrt_index = grad_inputs(sg, example)
-    dp = layout.dp_size
+    dp = layout.dp_size if sg.final else 1
     outs_meta = output_values(sg)
     float_out = [i for i, v in enumerate(outs_meta) if v.is_floating_point()]
 

@@ -130,7 +130,8 @@ def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[Ste
         st = StepGraph(sgm, [sg.param_names[i] for i in used_params],
                        {sg.param_names[i]: sg.aliases.get(sg.param_names[i], []) for i in used_params},
                        [sg.buffer_names[j] for j in used_bufs], n_out_inputs + len(model_inputs), False,
-                       [], [tuple(v.meta["val"].shape) for v in received + model_inputs], sg.output_type)
+                       [], [tuple(v.meta["val"].shape) for v in received + model_inputs], sg.output_type,
+                       final=s == n_stages - 1)
         stages.append(st)
     return stages
 
