@@ -393,9 +393,20 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     compiled = backend.build(joint, len(output_values(sg)), inductor=inductor and "inductor" not in disabled)
     grad_index = grad_inputs(sg, ctx.step.example)
     n_args = len(params) + len(buffers) + len(info["inputs"])
-    info.setdefault("collectives", {})["step" if sg.with_loss else "forward"] = [
-        dict(collective_record(n), graph=g) for g, gm in (("forward", compiled.fw_graph), ("backward", compiled.bw_graph))
-        for n in collectives(gm)]
+    # Backward nodes carry no annotation of their own: name them by the mesh dim of their group.
+    dims = {}
+    if mesh is not None:
+        for d, size in zip(mesh.mesh_dim_names, mesh.mesh.shape):
+            if size > 1:
+                dims[mesh.get_group(d).group_name] = d
+    recs = []
+    for g, gm in (("forward", compiled.fw_graph), ("backward", compiled.bw_graph)):
+        for n in collectives(gm):
+            r = dict(collective_record(n), graph=g, dim=dims.get(n.args[-1], "?"))
+            if r["pass"] == "?":
+                r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp"}.get(r["dim"], "?")
+            recs.append(r)
+    info.setdefault("collectives", {})["step" if sg.with_loss else "forward"] = recs
     info.setdefault("notes", {}).update(ctx.notes)
     info.setdefault("timings", {}).update({**ctx.timings, "backend": compiled.compile_s})
     return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in info["inputs"]])

@@ -94,42 +94,62 @@ def _grad_diffs(pm, ref) -> dict:
         r = ref_g[name].grad
         diffs[name] = float((g - r).abs().max()) if g is not None else float("inf")
     return {"grad_max_diff": max(diffs.values()), "worst_param": max(diffs, key=diffs.get), "n_params": len(diffs),
-            "param_names": sorted(diffs), "n_ref_params": len(ref_g)}
+            "param_names": sorted(diffs), "n_ref_params": len(ref_g),
+            "grad_scale": max(float(ref_g[n].grad.abs().max()) for n in diffs if ref_g[n].grad is not None)}
 
 
-def _worker(rank: int, world: int, port: int, cases: list, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      TORCHINDUCTOR_CACHE_DIR=cache)
     torch.set_num_threads(1)
-    results = []
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         for case in cases:
             try:
-                results.append(run_case(world, case))
-            except Exception as e:  # report, and keep the other cases running
-                results.append({"name": case["name"], "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
-                raise
+                res = run_case(world, case)
+            except Exception as e:  # report it; the parent stops every rank
+                res = {"name": case["name"], "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+            q.put((rank, res))
+            if "error" in res:
+                return
         dist.barrier()
-    except Exception:
-        pass
     finally:
-        q.put((rank, results))
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(world: int, cases: list[dict], timeout: float = 900) -> list[list[dict]]:
-    """Results per rank (a list per case)."""
+def run(world: int, cases: list[dict], timeout: float = 1500) -> list[list[dict]]:
+    """Results per rank (a list per case). An error on any rank ends the launch: the other
+    ranks, which may wait in a collective for it, are stopped and reported as such."""
+    import queue
+    import tempfile
+    import time
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, q)) for r in range(world)]
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "autopar-test-inductor")
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, q, cache)) for r in range(world)]
     for p in procs:
         p.start()
-    out = {}
-    for _ in procs:
-        rank, res = q.get(timeout=timeout)
-        out[rank] = res
+    out: dict[int, list] = {r: [] for r in range(world)}
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while sum(map(len, out.values())) < world * len(cases):
+        wait = deadline - time.monotonic() if failed_at is None else min(deadline, failed_at + 20) - time.monotonic()
+        try:
+            rank, res = q.get(timeout=max(wait, 0.1))
+        except queue.Empty:
+            break
+        out[rank].append(res)
+        if "error" in res and failed_at is None:
+            failed_at = time.monotonic()
     for p in procs:
-        p.join(timeout=60)
-    return [out[r] for r in range(world)]
+        p.join(timeout=5 if failed_at is None else 0.1)
+        if p.is_alive():
+            p.terminate()
+    for r in range(world):
+        done = {x["name"] for x in out[r]}
+        out[r] += [{"name": c["name"], "error": "stopped: another rank failed or the launch timed out"}
+                   for c in cases if c["name"] not in done]
+    return [sorted(out[r], key=lambda x: [c["name"] for c in cases].index(x["name"])) for r in range(world)]

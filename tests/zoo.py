@@ -108,6 +108,9 @@ def build(kind: str) -> nn.Module:
 
     from autopar import models
 
-    cfg = models.PRESETS[kind]
-    return models.build_preset(kind) if kind not in ("llama-tiny", "gpt-tiny") else \
-        (models.Llama if kind == "llama-tiny" else models.GPT)(dataclasses.replace(cfg, n_layers=2))
+    if kind.endswith("-4layers"):  # the preset as it is (4 layers: room for interleaved pipelines)
+        return models.build_preset(kind.removesuffix("-4layers"))
+    if kind in ("llama-tiny", "gpt-tiny"):  # 2 layers: less to compile
+        cfg = dataclasses.replace(models.PRESETS[kind], n_layers=2)
+        return (models.Llama if kind == "llama-tiny" else models.GPT)(cfg)
+    return models.build_preset(kind)

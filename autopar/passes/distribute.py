@@ -121,6 +121,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
         """A column group's input, whole on every rank. Its gradient (partial sums from the
         column linears) is reduced here, once: a reduce-scatter back to sequence shards under SP,
         else an all-reduce (Megatron's f), which ``from_local`` of a replicated value does."""
+        if isinstance(x, DTensor) and not x.placements[0].is_replicate():
+            return to_tp(x, [Replicate()])  # backward: reduce-scatter
         x = to_tp(x, [Replicate()])
         return DTensor.from_local(x.to_local(), tp_mesh, [Replicate()], run_check=False, shape=x.shape,
                                   stride=x.stride())
