@@ -19,10 +19,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
+parity: $(VENV)/.installed
+	$(PY) -m bench.parity_matrix
+
 bench: $(VENV)/.installed
 	$(PY) -m bench.run_all
 
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench.run_all --quick
 
-.PHONY: install demo test bench bench-quick
+.PHONY: install demo test parity bench bench-quick

@@ -29,6 +29,7 @@ class CompiledStep:
     bw_graph: torch.fx.GraphModule
     n_outputs: int
     compile_s: float = 0.0
+    bw_strides: list = None  # the strides the backward graph's inputs were traced with
 
 
 def partition(joint: torch.fx.GraphModule, n_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -71,6 +72,7 @@ def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool) -> Compil
     finally:
         if ordered and dist.get_rank() == 0:
             dist.barrier()
+    step.bw_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in _example(bw)]
     step.compile_s = time.perf_counter() - t0
     log.info("backend: partition + %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)
     return step

@@ -41,9 +41,11 @@ def _worker(rank: int, port: int) -> None:
     model = _build()
     ids, tgt = _data(0)
     t0 = time.perf_counter()
-    pm = autopar.compile(model, WORLD, example_inputs=(ids,), compile=False)
+    pm = autopar.compile(model, WORLD, example_inputs=(ids,))  # default options: Inductor on
     if rank == 0:
-        print(f"[rank 0] autopar chose: {pm.plan.as_config_string()} ({time.perf_counter() - t0:.1f}s to plan and apply)")
+        print(f"[rank 0] autopar chose: {pm.plan.as_config_string()} ({time.perf_counter() - t0:.1f}s to plan, "
+              "trace, rewrite and compile the step)")
+        print(pm.explain(graph=True).split("pass times")[0][-1500:])
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     for step in range(STEPS):  # one fixed batch: the loss must fall as the model fits it
         opt.zero_grad()

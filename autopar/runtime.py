@@ -71,7 +71,7 @@ class _RunGraphs(torch.autograd.Function):
         saved, ctx.saved = ctx.saved, None
         tangents = [g if g is not None else torch.zeros(shape, dtype=dtype)
                     for g, (shape, dtype) in zip(grads, ctx.out_meta) if dtype.is_floating_point]
-        out = runner.compiled.bw(*saved, *tangents)
+        out = runner.compiled.bw(*_as_expected(saved + tangents, runner.compiled.bw_strides))
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         result: list = [None] * (1 + runner.n_args)
         from torch.distributed.tensor import DTensor
@@ -83,6 +83,17 @@ class _RunGraphs(torch.autograd.Function):
                 g = DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
             result[1 + i] = g
         return tuple(result)
+
+
+def _as_expected(values: list, strides: list) -> list:
+    """The compiled backward was built for the strides the trace gave the saved values; the
+    compiled forward may lay some out differently: copy those into the expected layout."""
+    out = []
+    for v, st in zip(values, strides):
+        if isinstance(v, torch.Tensor) and st is not None and v.stride() != st:
+            v = torch.empty_strided(v.shape, st, dtype=v.dtype, device=v.device).copy_(v)
+        out.append(v)
+    return out
 
 
 class StepRunner:

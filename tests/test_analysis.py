@@ -74,18 +74,50 @@ def test_hf_families_pairs(family):
     assert p.max_tp_check(4) == [] and p.max_tp_check(8)
 
 
-def test_hf_gpt2_fused_qkv_is_not_tp_sharded():
+def test_hf_gpt2_fused_qkv_is_a_column():
     cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=512)
     src = models.hf_source_from_config(cfg)
     p = analysis.analyze(capture.trace_model(src.build, batch=1, seq_len=32, vocab_size=512))
     b = p.blocks[0]
     lin = {l.weight: l for l in b.linears}
-    assert lin["attn.c_attn.weight"].fused and lin["attn.c_attn.weight"].role == "replicated"
-    # Conv1D weights are stored (in, out): not sharded (the TP styles shard nn.Linear), so no pairs.
-    assert all(l.role == "replicated" for l in lin.values())
+    # The executor splits a fused projection in interleaved parts and Conv1D (in, out) weights
+    # along their output dim: both are columns for the planner too.
+    assert lin["attn.c_attn.weight"].fused and lin["attn.c_attn.weight"].role == "column"
+    assert sorted(l.role for l in lin.values()) == ["column", "column", "row", "row"]
     assert p.max_tp_check(2) == []
     # Conv1D stores (in, out): the analysis reads the orientation from the graph.
     assert (lin["mlp.c_fc.weight"].in_features, lin["mlp.c_fc.weight"].out_features) == (128, 512)
+
+
+@pytest.mark.parametrize("kind,want", [
+    ("hf-gpt2", {"attn.c_attn.weight": ("column", 1, 3), "attn.c_proj.weight": ("row", 1, 1),
+                 "mlp.c_fc.weight": ("column", 1, 1), "mlp.c_proj.weight": ("row", 1, 1)}),
+    ("custom-llama", {"wqkv.weight": ("column", 0, 3), "proj.weight": ("row", 0, 1),
+                      "w13.weight": ("column", 0, 2), "w2.weight": ("row", 0, 1)}),
+    ("hf-neox", {"attention.query_key_value.weight": ("column", 0, 1), "attention.dense.weight": ("row", 0, 1)}),
+    ("hf-phi3", {"self_attn.qkv_proj.weight": ("column", 0, 3), "mlp.gate_up_proj.weight": ("column", 0, 2),
+                 "self_attn.o_proj.weight": ("row", 0, 1), "mlp.down_proj.weight": ("row", 0, 1)}),
+])
+def test_step_roles_by_data_flow(kind, want):
+    """The executor's roles from the traced step: fused projections split into their equal parts
+    (GPT-2's Conv1D c_attn stored (in, out), Phi-3's qkv and gate/up, a custom fused Llama in a
+    ModuleDict); NeoX's per-head interleaved QKV needs no interleaving."""
+    from tests import zoo
+
+    torch.manual_seed(0)
+    m = zoo.build(kind)
+    sg = capture.trace_step(m, (torch.zeros(2, 16, dtype=torch.long),), target=torch.ones(2, 16, dtype=torch.long))
+    assert len(sg.layers) == 2
+    roles = analysis.step_roles(sg)
+    got = {}
+    for lin in roles.linears:
+        name = sg.param_names[lin.weight]
+        if name.startswith(sg.layers[0] + "."):
+            got[name[len(sg.layers[0]) + 1:]] = (lin.role, lin.out_dim, lin.parts)
+    for k, v in want.items():
+        assert got[k] == v, (k, got)
+    heads = [sg.param_names[l.weight] for l in roles.linears if l.role == "head"]
+    assert len(heads) == 1
 
 
 def test_405b_planned_without_allocating():

@@ -46,9 +46,12 @@ def case(model: str, plan_name: str, plan, **kw) -> dict:
     return {"name": f"{model}/{plan_name}", "model": model, "plan": plan, **kw}
 
 
-CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2) for m in MODELS]
-CI_PLANS = [case(m, n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp2_fsdp2_sp"))
-            for m in ("llama-tiny", "hf-llama") for n, p in PLANS.items()]
+CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-llama")) for m in MODELS]
+# Every plan on the reference Llama; on HF Llama the plans whose graphs differ most from the
+# TP2xFSDP2+SP case above (``make parity`` runs every plan on every model).
+CI_PLANS = [case("llama-tiny", n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp4_sp"))
+            for n, p in PLANS.items()]
+CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "tp4_sp", "ac_full_fsdp4", "auto")]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"])]
 CI_PP2 = [case("llama-tiny-4layers", n, p) for n, p in PP2.items()]
 
@@ -95,6 +98,11 @@ def plans_results():
 
 
 @pytest.fixture(scope="module")
+def plans_hf_results():
+    return _by_name(4, CI_PLANS_HF)
+
+
+@pytest.fixture(scope="module")
 def pp4_results():
     return _by_name(4, CI_PP4)
 
@@ -104,25 +112,37 @@ def pp2_results():
     return _by_name(2, CI_PP2)
 
 
+# Each launch runs on one xdist worker (its fixture is built once); two launches at a time.
 @pytest.mark.slow
+@pytest.mark.xdist_group("parity-a")
 @pytest.mark.parametrize("c", CI_MODELS, ids=lambda c: c["name"])
 def test_every_model_tp2_fsdp2_sp(models_results, c):
     check(models_results[c["name"]], c["plan"])
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("parity-b")
 @pytest.mark.parametrize("c", CI_PLANS, ids=lambda c: c["name"])
 def test_every_plan(plans_results, c):
     check(plans_results[c["name"]], c["plan"])
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("parity-a")
+@pytest.mark.parametrize("c", CI_PLANS_HF, ids=lambda c: c["name"])
+def test_plans_hf(plans_hf_results, c):
+    check(plans_hf_results[c["name"]], c["plan"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("parity-c")
 @pytest.mark.parametrize("c", CI_PP4, ids=lambda c: c["name"])
 def test_pipeline_world4(pp4_results, c):
     check(pp4_results[c["name"]], c["plan"])
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("parity-c")
 @pytest.mark.parametrize("c", CI_PP2, ids=lambda c: c["name"])
 def test_pipeline_world2(pp2_results, c):
     check(pp2_results[c["name"]], c["plan"])

@@ -79,8 +79,13 @@ def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh) -> list | N
     if parts != p.split_factor:
         return None
     local = x.to_local()
-    return [DTensor.from_local(c, tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape, stride=v.stride())
+    return [DTensor.from_local(c.contiguous(), tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape,
+                               stride=_contiguous_stride(v.shape))
             for c, v in zip(local.chunk(parts, dim), n.meta["val"])]
+
+
+def _contiguous_stride(shape) -> tuple:
+    return torch.empty(shape, device="meta").stride()
 
 
 def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh):
@@ -96,9 +101,10 @@ def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh):
     local = x.to_local()
     lp = local.shape[dim] // p.split_factor
     k = start // part
-    piece = local.narrow(dim, k * lp, lp)
+    piece = local.narrow(dim, k * lp, lp).contiguous()
     v = n.meta["val"]
-    return DTensor.from_local(piece, tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape, stride=v.stride())
+    return DTensor.from_local(piece, tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape,
+                              stride=_contiguous_stride(v.shape))
 
 
 def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mesh, sp: bool) -> list:
