@@ -512,6 +512,11 @@ def compile(
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
     if p.seq_len != ids.shape[1]:
         raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
+    if p.pp > 1 and p.tp > 1:
+        raise AutoparError(
+            f"the plan combines pipeline (pp={p.pp}) and tensor parallelism (tp={p.tp}); the graph executor does not "
+            "run TP inside pipeline stages yet: pin tp=1 (or pp=1) and plan again"
+        )
     dmesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh

@@ -122,13 +122,13 @@ def run(world: int, cases: list[dict], timeout: float = 1500) -> list[list[dict]
     """Results per rank (a list per case). An error on any rank ends the launch: the other
     ranks, which may wait in a collective for it, are stopped and reported as such."""
     import queue
-    import tempfile
     import time
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "autopar-test-inductor")
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "autopar-test-inductor")  # kept across runs on one machine
     procs = [ctx.Process(target=_worker, args=(r, world, port, cases, q, cache)) for r in range(world)]
     for p in procs:
         p.start()

@@ -30,7 +30,6 @@ PLANS = {
     "auto_tp2": "tp=2",
 }
 PP4 = {
-    "pp2_tp2_sp": {"pp": 2, "tp": 2, "sp": 1, "schedule": "1f1b", "mb": 2, "dp": 1},
     "pp2_fsdp2": {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "1f1b", "mb": 1},
     "pp2_ddp2": {"pp": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "gpipe", "mb": 1},
 }
@@ -51,7 +50,7 @@ CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-
 # TP2xFSDP2+SP case above (``make parity`` runs every plan on every model).
 CI_PLANS = [case("llama-tiny", n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp4_sp"))
             for n, p in PLANS.items()]
-CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "tp4_sp", "ac_full_fsdp4", "auto")]
+CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"])]
 CI_PP2 = [case("llama-tiny-4layers", n, p) for n, p in PP2.items()]
 
