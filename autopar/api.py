@@ -543,7 +543,6 @@ def compile(
     info: dict = {"inputs": [mb_ids, mb_tgt], "param_names": sg.param_names,
                   "buffers": [model.get_buffer(n) for n in sg.buffer_names], "output_type": None}
     step_runner = _build_runner(sg, p, dmesh, lay, rules, locals_, model, inductor=compile, disabled=set(disable_passes), info=info)
-    local_batch = int(ids.shape[0]) // p.dp
 
     def forward_factory(inputs: tuple):
         """The forward graph for the user's own loop, built at the first call with a shape."""

@@ -86,65 +86,28 @@ def _by_name(world, cases):
     return {c["name"]: [per_rank[i] for per_rank in res] for i, c in enumerate(cases)}
 
 
-@pytest.fixture(scope="module")
-def models_results():
-    return _by_name(4, CI_MODELS)
+LAUNCHES = {"models": (4, CI_MODELS), "plans": (4, CI_PLANS), "plans_hf": (4, CI_PLANS_HF), "pp4": (4, CI_PP4),
+            "pp2": (2, CI_PP2)}
+_results: dict = {}
 
 
-@pytest.fixture(scope="module")
-def plans_results():
-    return _by_name(4, CI_PLANS)
+def _launch(name: str) -> dict:
+    """Run one launch once (its cases in turn on its processes) and keep the results by case."""
+    if name not in _results:
+        _results[name] = _by_name(*LAUNCHES[name])
+    return _results[name]
 
 
-@pytest.fixture(scope="module")
-def plans_hf_results():
-    return _by_name(4, CI_PLANS_HF)
-
-
-@pytest.fixture(scope="module")
-def pp4_results():
-    return _by_name(4, CI_PP4)
-
-
-@pytest.fixture(scope="module")
-def pp2_results():
-    return _by_name(2, CI_PP2)
-
-
-# Each launch runs on one xdist worker (its fixture is built once); two launches at a time.
-@pytest.mark.slow
-@pytest.mark.xdist_group("parity-a")
-@pytest.mark.parametrize("c", CI_MODELS, ids=lambda c: c["name"])
-def test_every_model_tp2_fsdp2_sp(models_results, c):
-    check(models_results[c["name"]], c["plan"])
+# Each xdist group runs on one worker, so each launch runs once; two launches at a time.
+GROUP = {"models": "parity-a", "plans_hf": "parity-a", "plans": "parity-b", "pp4": "parity-c", "pp2": "parity-c"}
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("parity-b")
-@pytest.mark.parametrize("c", CI_PLANS, ids=lambda c: c["name"])
-def test_every_plan(plans_results, c):
-    check(plans_results[c["name"]], c["plan"])
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("parity-a")
-@pytest.mark.parametrize("c", CI_PLANS_HF, ids=lambda c: c["name"])
-def test_plans_hf(plans_hf_results, c):
-    check(plans_hf_results[c["name"]], c["plan"])
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("parity-c")
-@pytest.mark.parametrize("c", CI_PP4, ids=lambda c: c["name"])
-def test_pipeline_world4(pp4_results, c):
-    check(pp4_results[c["name"]], c["plan"])
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("parity-c")
-@pytest.mark.parametrize("c", CI_PP2, ids=lambda c: c["name"])
-def test_pipeline_world2(pp2_results, c):
-    check(pp2_results[c["name"]], c["plan"])
+@pytest.mark.parametrize("launch,c", [
+    pytest.param(name, c, marks=pytest.mark.xdist_group(GROUP[name]), id=f"{name}:{c['name']}")
+    for name, (_, cases) in LAUNCHES.items() for c in cases])
+def test_parity(launch, c):
+    check(_launch(launch)[c["name"]], c["plan"])
 
 
 def test_world1_auto():

@@ -16,7 +16,6 @@ collective an explicit ``_c10d_functional`` op.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch

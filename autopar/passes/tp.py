@@ -101,7 +101,6 @@ def tp_rules(sg, roles: StepRoles, tp: int, sp: bool) -> TPRules:
             notes.append(f"{names[i]}: used with placements {sorted(set(map(placement_str, pls)))}: replicated")
             placements[i] = Replicate()
     sharded = {i for i, p in placements.items() if not isinstance(p, Replicate)}
-    phs = sg.placeholders()
     gathered = {root: nodes for root, nodes in roles.gather_points.items()
                 if any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in nodes)}
     to_residual, to_replicate = set(), set()
@@ -113,5 +112,4 @@ def tp_rules(sg, roles: StepRoles, tp: int, sp: bool) -> TPRules:
     for n in roles.residual:
         if n.op == "placeholder" or (n.op == "call_function" and n.target == torch.ops.aten.embedding.default):
             to_residual.add(n)
-    del phs
     return TPRules(placements, gathered, to_residual, to_replicate, notes)

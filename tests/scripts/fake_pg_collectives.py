@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar import api, models
+from autopar import models
 
 cfg = dataclasses.replace(models.PRESETS["llama3-8b"], n_layers=2, max_seq_len=256)
 sp, world = int(sys.argv[1]), int(sys.argv[2])
