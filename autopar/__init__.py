@@ -2,17 +2,35 @@
 
 ``autopar.plan(model, gpus, ...)`` traces a model on fake tensors, prices tensor, sequence,
 pipeline and data parallelism (FSDP) with activation checkpointing on a hardware profile, and
-returns the fastest ``Plan`` that fits in memory.
+returns the fastest ``Plan`` that fits in memory. ``autopar.compile(model, mesh)`` applies it.
+
+The names below are loaded on first use, so ``import autopar`` (and ``autopar --version``)
+does not pay for torch, Dynamo, the solver or rich until something needs them.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from autopar.api import compile, estimate_plan, plan, profile_model  # noqa: E402,A004
-from autopar.errors import AutoparError, InfeasibleError, PlanMismatchError, TraceError  # noqa: E402
-from autopar.plan import Plan  # noqa: E402
-from autopar.runtime import ParallelModule  # noqa: E402
+_LAZY = {
+    "plan": "autopar.api", "compile": "autopar.api", "estimate_plan": "autopar.api", "profile_model": "autopar.api",
+    "ParallelModule": "autopar.runtime", "Plan": "autopar.plan",
+    "AutoparError": "autopar.errors", "InfeasibleError": "autopar.errors", "PlanMismatchError": "autopar.errors",
+    "TraceError": "autopar.errors",
+}
 
-__all__ = [
-    "plan", "compile", "ParallelModule", "estimate_plan", "profile_model", "Plan", "AutoparError", "InfeasibleError",
-    "PlanMismatchError", "TraceError", "__version__",
-]
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
-import sympy
 import torch
 
 from autopar.capture import VIEW_OPS, BlockTrace, ModelTrace, op_flops, op_name, tensor_bytes
@@ -195,8 +194,10 @@ class ModelProfile:
         fwd += self.pre.costs.flops.sum() + self.post.costs.flops.sum()
         return 3.0 * fwd / self.seq_len
 
-    def flops_expr(self) -> sympy.Expr:
+    def flops_expr(self) -> "sympy.Expr":
         """Forward FLOPs of the model as a polynomial in batch ``b`` (the sequence is fixed)."""
+        import sympy
+
         b = sympy.Symbol("b", positive=True)
         fwd = sum(b_.fwd_flops() * b_.count for b_ in self.blocks)
         fwd += float(self.pre.costs.flops.sum() + self.post.costs.flops.sum())

@@ -6,7 +6,12 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
+import os
+import pickle
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,6 +36,7 @@ class Profiled:
     profile: analysis.ModelProfile
     source_name: str
     seconds: float
+    notes: tuple[str, ...] = ()
 
 
 def profile_model(
@@ -43,8 +49,10 @@ def profile_model(
         model = models.resolve(model, seq_len=seq_len)
     vocab = None
     name = type(model).__name__
+    notes: tuple[str, ...] = ()
+    if isinstance(model, models.ModelSource) and example_inputs is None:
+        seq_len, notes = models.planning_seq_len(model, seq_len)
     if isinstance(model, models.ModelSource):
-        seq_len = seq_len or model.seq_len
         vocab = model.vocab_size
         name = model.name
         build: Any = model.build
@@ -67,15 +75,64 @@ def profile_model(
     dtype = torch.float32 if precision == "fp32" else (torch.float16 if precision == "fp16" else torch.bfloat16)
     if isinstance(build, nn.Module):
         dtype = next(build.parameters()).dtype
-    tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
-                             loss_fn=loss_fn, name=name, example_inputs=example_inputs)
-    prof = analysis.analyze(tr)
+    key = _profile_key(model, batch, seq_len, dtype) if example_inputs is None and loss_fn is None else None
+    prof = _profile_cache_get(key)
+    if prof is None:
+        tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
+                                 loss_fn=loss_fn, name=name, example_inputs=example_inputs)
+        prof = analysis.analyze(tr)
+        _profile_cache_put(key, prof)
     if not prof.blocks:
         raise AutoparError(
             f"{name} has no repeated blocks (no nn.ModuleList/Sequential of identical layers); autopar "
             "plans models built from a stack of layers"
         )
-    return Profiled(prof, name, time.perf_counter() - t0)
+    return Profiled(prof, name, time.perf_counter() - t0, notes)
+
+
+def _cache_dir() -> str:
+    return os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "autopar")
+
+
+def _profile_key(model: Any, batch: int, seq_len: int, dtype: torch.dtype) -> str | None:
+    """Cache key of a preset's or config file's profile: its spec, the shapes, torch and the
+    source of the modules that produce a profile (so any change to them invalidates it).
+    Models given as modules or factories are user code and are traced every time."""
+    if not isinstance(model, models.ModelSource) or model.spec.get("kind") not in ("preset", "hf"):
+        return None
+    h = hashlib.sha256(json.dumps([model.name, model.spec, model.vocab_size, batch, seq_len, str(dtype),
+                                   torch.__version__], sort_keys=True, default=str).encode())
+    for mod in (capture, analysis, models):
+        with open(mod.__file__, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:32]
+
+
+def _profile_cache_get(key: str | None) -> analysis.ModelProfile | None:
+    if key is None:
+        return None
+    path = os.path.join(_cache_dir(), "profiles", key + ".pkl")
+    try:
+        with open(path, "rb") as f:
+            prof = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        return None
+    return prof if isinstance(prof, analysis.ModelProfile) else None
+
+
+def _profile_cache_put(key: str | None, prof: analysis.ModelProfile) -> None:
+    """Keep the profile for the next process (written atomically; a read-only home is not an error)."""
+    if key is None:
+        return
+    d = os.path.join(_cache_dir(), "profiles")
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(prof, f)
+        os.replace(tmp, os.path.join(d, key + ".pkl"))
+    except OSError as e:
+        log.info("profile cache not written: %s", e)
 
 
 def model_precision(model: Any) -> str:
@@ -136,8 +193,7 @@ def plan(
     res = search_mod.search(ctx, world, pins=pins, top_k=top_k, progress=progress)
     log.info("planned %s on %d GPUs: capture+analysis %.2fs, search %.2fs (%d configs, %d MILPs)",
              prof.source_name, world, prof.seconds, res.seconds, res.n_configs, res.n_milp)
-    p = to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up)
-    return p
+    return dataclasses.replace(to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up), notes=prof.notes)
 
 
 def plan_candidates(
@@ -283,6 +339,60 @@ def _ac_text(e: Estimate) -> str:
 # --------------------------------------------------------------------------------------------
 # compile: plan, trace the step, run the passes, compile, wrap
 # --------------------------------------------------------------------------------------------
+MESH_NAMES = ("pp", "dp", "dp_replicate", "dp_shard", "tp")
+
+
+def mesh_pins(mesh: Any) -> dict:
+    """The plan a named DeviceMesh asks for: ``("dp", "tp")`` of shape (2, 4) pins tp=4, dp=2.
+    A mesh without names (or 1-D) only gives the world size."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not names or not hasattr(mesh, "mesh"):
+        return {}
+    if len(set(names)) != len(names):
+        raise AutoparError(f"the mesh names a dimension twice: {tuple(names)}; give each dimension its own name")
+    unknown = [n for n in names if n not in MESH_NAMES]
+    if unknown:
+        if len(names) == 1:
+            return {}
+        raise AutoparError(
+            f"mesh dimension(s) {', '.join(repr(n) for n in unknown)} are not ones autopar places: name the "
+            f"dimensions from {', '.join(MESH_NAMES)} (or pass the world size and let autopar choose)")
+    if "dp" in names and ("dp_shard" in names or "dp_replicate" in names):
+        raise AutoparError(f"the mesh has 'dp' beside 'dp_shard'/'dp_replicate' {tuple(names)}: use either 'dp' or the "
+                           "pair dp_replicate x dp_shard")
+    size = dict(zip(names, mesh.mesh.shape))
+    pins = {k: int(size[k]) for k in ("tp", "pp") if k in size}
+    dp = int(size.get("dp", 1) * size.get("dp_replicate", 1) * size.get("dp_shard", 1))
+    if any(k in size for k in ("dp", "dp_replicate", "dp_shard")):
+        pins["dp"] = dp
+    if "dp_shard" in size:
+        pins["dp_shard"] = int(size["dp_shard"])
+        pins["fsdp"] = int(size["dp_shard"] > 1)
+    return pins
+
+
+def _merge_pins(plan_arg: Any, from_mesh: dict) -> Any:
+    """The user's plan argument with the mesh's pins added; a contradiction is an error."""
+    if not from_mesh:
+        return plan_arg
+    if isinstance(plan_arg, Plan):
+        got = {"tp": plan_arg.tp, "pp": plan_arg.pp, "dp": plan_arg.dp, "dp_shard": plan_arg.dp_shard}
+        bad = {k: v for k, v in from_mesh.items() if k in got and got[k] != v}
+        if bad:
+            raise PlanMismatchError(
+                f"the plan ({plan_arg.as_config_string()}) does not match the mesh's dimensions "
+                f"({', '.join(f'{k}={v}' for k, v in from_mesh.items())}); pass a mesh of the plan's shape or the world size")
+        return plan_arg
+    is_pins = isinstance(plan_arg, dict) or (isinstance(plan_arg, str) and "=" in plan_arg)
+    if not is_pins and plan_arg != "auto":
+        return plan_arg  # a plan file: checked once loaded
+    pins = search_mod.parse_pins(plan_arg) if is_pins else {}
+    for k, v in from_mesh.items():
+        if k in pins and pins[k] != v:
+            raise AutoparError(f"plan pins {k}={pins[k]} but the mesh's '{k}' dimension has {v}; pin what the mesh has")
+    return {**pins, **from_mesh}
+
+
 def _mesh_world(mesh: Any) -> tuple[int, str]:
     if hasattr(mesh, "device_type"):
         return mesh.size(), mesh.device_type
@@ -508,6 +618,9 @@ def compile(
                                      hardware=load_hardware(hw).name, db=db, steps=tune_steps, loss_fn=loss_fn,
                                      compile=compile, memory_limit_gb=memory_limit_gb)
         plan = tuning[0]["plan"]
+    if not isinstance(plan, Plan) and isinstance(plan, str) and plan != "auto" and "=" not in plan:
+        plan = Plan.load(plan)
+    plan = _merge_pins(plan, mesh_pins(mesh))
     p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
     if p.seq_len != ids.shape[1]:

@@ -30,10 +30,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch._dynamo  # noqa: F401  (FakeTensorMode imports it on first use; pay at import)
+
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -187,12 +185,14 @@ def default_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
 
 
-def _trace_error(e: Exception, what: str) -> TraceError:
+def _trace_error(e: Exception, what: str, advice: str | None = None) -> TraceError:
     frames = traceback.extract_tb(e.__traceback__)
     here = os.path.dirname(os.path.abspath(__file__))
     user = [f for f in frames if "site-packages/torch" not in f.filename and not f.filename.startswith(here)]
     where = f" at {user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else ""
-    if "DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower():
+    if advice is not None:
+        pass
+    elif "DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower():
         advice = (
             "autopar traces the model on fake tensors, where values are unknown: Python control flow "
             "on a tensor's value, .item() or .tolist() cannot be traced. Rewrite that line with tensor "
@@ -219,6 +219,8 @@ def trace_model(
 ) -> ModelTrace:
     """Trace ``build_or_model`` on fake tensors at (batch, seq_len) token inputs."""
     t0 = time.perf_counter()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     prev = torch.get_default_dtype()
     try:
@@ -226,9 +228,15 @@ def trace_model(
             torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
             model = build_or_model() if not isinstance(build_or_model, nn.Module) else build_or_model
     except Exception as e:
-        raise _trace_error(e, f"the construction of {name}") from e
+        raise _trace_error(e, f"the construction of {name}", (
+            "The model is built under FakeTensorMode (shapes only, nothing allocated): the factory must "
+            "build it from its config alone, without reading weights or data; load weights after "
+            "autopar.compile")) from e
     finally:
         torch.set_default_dtype(prev)
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"{name} returned a {type(model).__name__}, not an nn.Module: a model factory "
+                         "takes no arguments and returns the model")
     model.train()
     container, members = find_block_container(model)
     by_sig: dict[str, list[tuple[str, nn.Module]]] = {}
@@ -348,7 +356,7 @@ def trace_model(
     )
 
 
-def _trace_block(mode: FakeTensorMode, sig: str, insts: list, args: tuple, kwargs: dict) -> BlockTrace:
+def _trace_block(mode: "FakeTensorMode", sig: str, insts: list, args: tuple, kwargs: dict) -> BlockTrace:
     fqn, block = insts[0]
     names = [n for n, _ in block.named_parameters()]
     plist = [p for _, p in block.named_parameters()]
@@ -375,6 +383,8 @@ def _trace_block(mode: FakeTensorMode, sig: str, insts: list, args: tuple, kwarg
             # Fresh leaves so the trace starts at the block boundary.
             ts = [t.detach().requires_grad_(j in hidden_idx) for j, t in enumerate(tensors)]
             ps = [p.detach().requires_grad_(True) for p in plist]
+            from torch.fx.experimental.proxy_tensor import make_fx
+
             gm = make_fx(fn)(ps, *ts)
     except Exception as e:
         raise _trace_error(e, f"block {fqn} ({type(block).__name__})") from e
@@ -499,6 +509,8 @@ def trace_step(
     buffers = [b for _, b in model.named_buffers()]
     # Everything enters the trace as fake tensors of the global shapes (parameters may already be
     # DTensor shards: the step is traced as the single-device model).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         params = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device) for p in params]
@@ -522,6 +534,8 @@ def trace_step(
     handles = _module_annotations(model, layers)
     try:
         with fx_traceback.preserve_node_meta():
+            from torch.fx.experimental.proxy_tensor import make_fx
+
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(params, buffers, list(inputs), *([target] if target is not None else []))
     except Exception as e:
         raise _trace_error(e, f"the training step of {name}") from e

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autopar", description="Automatic parallelism planner for PyTorch training")
     ap.add_argument("--version", action="version", version=f"autopar {__version__}")
     ap.add_argument("-v", "--verbose", action="store_true", help="log stage timings")
+    ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     ex = sub.add_parser("explain", help="plan a model and explain the plan")
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except AutoparError as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"autopar: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

@@ -64,6 +64,8 @@ def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
     mesh = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, p.mesh_shape))
     con.print(f"[b]autopar plan[/b] for {p.model_name} on {p.world_size} x {p.hardware} "
               f"({p.precision}, global batch {p.global_batch} x {p.seq_len} tokens)")
+    for note in p.notes:
+        con.print(f"note: {note}")
     con.print(f"mesh: {mesh}")
     extras = []
     if p.tp > 1:

@@ -22,6 +22,7 @@ import importlib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -263,20 +264,54 @@ class ModelSource:
     spec: dict = dataclasses.field(default_factory=dict)
 
 
+def _check_config_fields(path: str, raw: dict, cls: type) -> None:
+    """Refuse a field that looks like a misspelling of one the config class reads (transformers
+    would keep it as an unused attribute without a word). Fields unlike any known one are kept:
+    configs carry extras (architectures, auto_map, ...) that newer versions add."""
+    import difflib
+    import inspect
+
+    known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters)
+    known |= set(getattr(cls, "attribute_map", {}))
+    for key in raw:
+        if key in known or key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        if close:
+            raise AutoparError(f"{path}: unknown field {key!r} for a {raw['model_type']} config; did you mean "
+                               f"{close[0]!r}? (transformers would ignore it and build a different model)")
+
+
 def _hf_source(path: str) -> ModelSource:
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - transformers is a dependency
         raise AutoparError(f"reading {path} needs the 'transformers' package: {e}") from e
-    with open(path) as f:
-        raw = json.load(f)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise AutoparError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                           "give the config.json of a HuggingFace model") from e
+    except OSError as e:
+        raise AutoparError(f"cannot read {path}: {e.strerror}") from e
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise AutoparError(f"{path} has no 'model_type': give the config.json of a HuggingFace model "
+                           "(it names its family, e.g. \"model_type\": \"llama\")")
+    known = transformers.CONFIG_MAPPING
+    if raw["model_type"] not in known:
+        import difflib
+
+        close = difflib.get_close_matches(str(raw["model_type"]), list(known.keys()), n=3)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else (
+            "supported families include llama, qwen2, mistral, gemma, phi3, gpt2, gpt_neox, opt, mixtral")
+        raise AutoparError(f"{path}: model_type {str(raw['model_type'])[:60]!r} is not a family transformers "
+                           f"{transformers.__version__} knows; {hint}")
+    _check_config_fields(path, raw, known[raw["model_type"]])
     try:
         cfg = transformers.AutoConfig.for_model(**raw)
-    except (ValueError, KeyError) as e:
-        raise AutoparError(
-            f"{path} is not a HuggingFace config that transformers {transformers.__version__} "
-            f"knows ({e}); supported families include llama, qwen2, mistral and gpt2"
-        ) from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise AutoparError(f"{path} is not a valid {raw['model_type']} config: {e}") from e
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
@@ -294,6 +329,34 @@ def _hf_source(path: str) -> ModelSource:
         hf=True,
         spec={"kind": "hf", "config": raw},
     )
+
+
+DEFAULT_SEQ_LEN = 4096
+# A config whose maximum is above this (long-context models: 32k to 1M positions) is planned at
+# DEFAULT_SEQ_LEN unless a length is given: that maximum is what the model can read, not the
+# length it is usually trained at.
+LONG_CONTEXT = 8192
+
+
+def planning_seq_len(src: ModelSource, seq_len: int | None) -> tuple[int, tuple[str, ...]]:
+    """The sequence length to plan ``src`` at and, when autopar chose it, a note saying so."""
+    limit = src.seq_len
+    if seq_len is not None:
+        if seq_len < 1:
+            raise AutoparError(f"the sequence length must be positive, got {seq_len}")
+        if src.hf and limit and seq_len > limit:
+            raise AutoparError(
+                f"--seq-len {seq_len} is above {src.name}'s {limit} positions (max_position_embeddings); "
+                f"give at most {limit}, or a config with a longer context"
+            )
+        return seq_len, ()
+    if not limit:
+        return DEFAULT_SEQ_LEN, (f"sequence length {DEFAULT_SEQ_LEN} (default: the config gives no maximum; "
+                                 "pass --seq-len to plan another)",)
+    if limit > LONG_CONTEXT:
+        return DEFAULT_SEQ_LEN, (f"sequence length {DEFAULT_SEQ_LEN} (default: the config allows {limit}; "
+                                 "pass --seq-len to plan a longer context)",)
+    return limit, ()
 
 
 def hf_source_from_config(config: Any) -> ModelSource:
@@ -323,6 +386,8 @@ def resolve(spec: str, seq_len: int | None = None) -> ModelSource:
         return _hf_source(path)
     if ":" in spec:
         mod_name, _, attr = spec.partition(":")
+        if os.getcwd() not in sys.path and "" not in sys.path:  # console scripts: import from here too
+            sys.path.insert(0, os.getcwd())
         try:
             factory = getattr(importlib.import_module(mod_name), attr)
         except (ImportError, AttributeError) as e:

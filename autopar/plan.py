@@ -77,6 +77,8 @@ class Plan:
     # "R", "S(d)" or "S(d,xk)" (k interleaved parts), and why any linear stayed replicated.
     placements: tuple = ()
     tp_notes: tuple = ()
+    # Choices made for the user that they should know about (e.g. a default sequence length).
+    notes: tuple = ()
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------

@@ -78,13 +78,18 @@ def parse_pins(text: str | dict | None) -> dict:
     if not text:
         return {}
     items = text.items() if isinstance(text, dict) else (kv.split("=", 1) for kv in text.split(",") if kv.strip())
-    out = {}
+    out: dict = {}
+    seen: dict[str, str] = {}
     for item in items:
         if len(item) != 2:
             raise AutoparError(f"pin {'='.join(item)!r} is not key=value; keys: {', '.join(sorted(PIN_KEYS))}")
-        k, v = (str(x).strip() for x in item)
+        k, v = (str(int(x)) if isinstance(x, bool) else str(x).strip() for x in item)
         if k not in PIN_KEYS:
             raise AutoparError(f"unknown pin {k!r}; known: {', '.join(sorted(PIN_KEYS))}")
+        if k in seen:
+            what = "repeated" if seen[k] == v else f"given twice with different values ({k}={seen[k]} and {k}={v})"
+            raise AutoparError(f"pin {k!r} is {what}; give each key once")
+        seen[k] = v
         if k == "ac":
             if v not in AC_MODES:
                 raise AutoparError(f"ac={v!r}: choose one of {', '.join(AC_MODES)}")

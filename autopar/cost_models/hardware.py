@@ -92,9 +92,19 @@ def _from_dict(d: dict, origin: str) -> Hardware:
     known = {f.name for f in dataclasses.fields(Hardware)}
     kw = {k: v for k, v in d.items() if k in known}
     kw["efficiency"] = {**DEFAULT_EFFICIENCY, **d.get("efficiency", {})}
-    for k in ("peak_tflops", "memory_gb", "memory_bandwidth_gbps", "intra_node_gbps", "inter_node_gbps"):
-        if not float(kw[k]) > 0:
-            raise AutoparError(f"hardware profile {origin}: {k} must be positive, got {kw[k]}")
+    checks = [(k, kw[k]) for k in ("peak_tflops", "memory_gb", "memory_bandwidth_gbps", "gpus_per_node",
+                                   "intra_node_gbps", "inter_node_gbps") if k in kw]
+    checks += [(f"efficiency.{k}", v) for k, v in kw["efficiency"].items()]
+    for k, v in checks:
+        try:
+            ok = not isinstance(v, bool) and float(v) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise AutoparError(f"hardware profile {origin}: {k} must be a positive number, got {v!r}")
+    for k in ("reserve_gb", "launch_us"):
+        if k in kw and not (isinstance(kw[k], (int, float)) and kw[k] >= 0):
+            raise AutoparError(f"hardware profile {origin}: {k} must be a number >= 0, got {kw[k]!r}")
     return Hardware(**kw)
 
 
