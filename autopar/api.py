@@ -583,6 +583,17 @@ def compile(
     graphs without Inductor. ``tune=True`` measures the planner's top ``tune_top`` plans for
     ``tune_steps`` real steps on copies of the model and applies the fastest one that fits.
     """
+    from autopar.runtime import guarded
+
+    with guarded("autopar.compile"):
+        return _compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, hardware=hardware,
+                        global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
+                        disable_passes=disable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
+                        tune_db=tune_db)
+
+
+def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_batch, memory_limit_gb, compile,
+             disable_passes, tune, tune_top, tune_steps, tune_db):
     import copy
 
     import torch.distributed as dist

@@ -47,6 +47,113 @@ def init_distributed(backend: str | None = None) -> None:
     dist.init_process_group(backend)
 
 
+class FailureWatch:
+    """Bounded failure across ranks. An exception on one rank inside ``compile`` or ``step()`` is
+    posted to the process group's store (first failure wins); every other rank has a thread
+    blocked on that key (its own store connection, no polling). A rank that learns of the
+    failure while it is inside a guarded call is, by construction, waiting for the failed rank in
+    a collective that will never complete (gloo and NCCL cannot interrupt it from Python), so it
+    prints the failing rank's error and exits (status 1), as torchrun's elastic agent would. A
+    rank that learns of it between calls raises the failing rank's error at its next call."""
+
+    KEY = "autopar/failure"
+    _instance: "FailureWatch | None" = None
+
+    def __init__(self):
+        import threading
+
+        self.rank = dist.get_rank()
+        self.store = dist.distributed_c10d._get_default_store().clone()
+        self.depth = 0
+        self.failure: str | None = None
+        threading.Thread(target=self._watch, daemon=True, name="autopar-failure-watch").start()
+
+    @classmethod
+    def get(cls) -> "FailureWatch | None":
+        """The process's watch, started on first use (None without a real multi-rank group)."""
+        if cls._instance is None and dist.is_initialized() and dist.get_world_size() > 1:
+            try:
+                cls._instance = cls()
+            except (RuntimeError, AttributeError, NotImplementedError) as e:  # a store that cannot clone (fake PG)
+                log.info("failure watch not started: %s", e)
+                return None
+        return cls._instance
+
+    def _watch(self) -> None:
+        import datetime
+        import sys
+
+        while True:
+            try:
+                self.store.wait([self.KEY], datetime.timedelta(hours=1))
+                msg = self.store.get(self.KEY).decode()
+            except Exception as e:  # noqa: BLE001 - a wait timeout: wait again; the store gone: stop
+                if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                    continue
+                return
+            if msg.startswith(f"rank {self.rank} "):
+                return
+            self.failure = msg
+            if self.depth:
+                print(f"autopar: {msg}\nautopar: rank {self.rank} stops: it was waiting for that rank in a "
+                      "collective that cannot complete", file=sys.stderr, flush=True)
+                if self.rank == 0:  # rank 0 usually serves the store: let the others read the message first
+                    import time
+
+                    time.sleep(2.0)
+                os._exit(1)
+            return
+
+    def post(self, where: str, exc: BaseException) -> str:
+        """Tell every rank; returns the first failure posted (this one, or an earlier one)."""
+        import datetime
+
+        msg = f"rank {self.rank} failed in {where}: {type(exc).__name__}: {' '.join(str(exc).split())[:2000]}"
+        store = dist.distributed_c10d._get_default_store()  # the watch's own connection is blocked in wait
+        try:
+            if store.add(self.KEY + "/count", 1) == 1:
+                store.set(self.KEY, msg)
+                return msg
+            store.wait([self.KEY], datetime.timedelta(seconds=10))
+            return store.get(self.KEY).decode()
+        except Exception as e:  # noqa: BLE001 - the store itself is gone: nothing to tell
+            log.info("could not post the failure: %s", e)
+        return msg
+
+    def __enter__(self):
+        if self.failure:
+            raise AutoparError(f"{self.failure}; this rank cannot continue: fix that and start again")
+        self.depth += 1
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        self.depth -= 1
+        return False
+
+
+def guarded(where: str):
+    """``with guarded("step()"):``: failures inside are posted to every rank (see FailureWatch)."""
+    import contextlib
+
+    watch = FailureWatch.get()
+
+    @contextlib.contextmanager
+    def cm():
+        if watch is None:
+            yield
+            return
+        with watch:
+            try:
+                yield
+            except Exception as e:
+                first = watch.failure or watch.post(where, e)
+                if not first.startswith(f"rank {watch.rank} "):
+                    raise AutoparError(f"{first}; rank {watch.rank} stopped with it ({type(e).__name__})") from e
+                raise
+
+    return cm()
+
+
 class _RunGraphs(torch.autograd.Function):
     """Forward: the compiled forward graph on local tensors. Backward: the compiled backward
     graph; parameter gradients come back as DTensors placed like their parameters."""
@@ -151,7 +258,6 @@ class ParallelModule(nn.Module):
         self._stages = stages or {}  # pipeline stage index -> (StepGraph, StepRunner), this rank's
         self._schedules: dict = {}
         self.info = info  # what the passes did: collectives, notes, timings
-        self._pending_loss = None
         self._buffer_list = info["buffers"]
         if mesh is not None and plan.dp > 1:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
@@ -161,6 +267,10 @@ class ParallelModule(nn.Module):
 
     # -- forward (the user's own loop) ----------------------------------------------------
     def forward(self, *inputs):
+        with guarded("forward"):
+            return self._forward(*inputs)
+
+    def _forward(self, *inputs):
         if self.plan.pp > 1:
             raise AutoparError(
                 "a forward-only call is not available under a pipeline plan (the model is split "
@@ -197,23 +307,38 @@ class ParallelModule(nn.Module):
     def step(self, ids: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one global batch; returns the mean loss (same on every rank).
 
-        With several ranks the loss is an asynchronous all-reduce, complete when read; one never
-        read is waited for at the next step."""
-        if hasattr(self._pending_loss, "wait"):
-            self._pending_loss.wait()
-        plan = self.plan
+        The loss all-reduce is waited for inside (a stream wait on GPUs, not a host sync), so
+        a failure on another rank surfaces here. An exception on any rank stops every rank (see
+        ``FailureWatch``)."""
+        with guarded("step()"):
+            return self._step(ids, target)
+
+    def _check_inputs(self, ids, target) -> None:
         if target is None:
             raise AutoparError("step() needs target= (the labels for the loss)")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise AutoparError(f"step() takes a (batch, seq) tensor of token ids, got {getattr(ids, 'shape', type(ids))}")
+        for what, t in (("ids", ids), ("target", target)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise AutoparError(f"step() takes {what} as a (batch, seq) tensor, got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise AutoparError(f"step() takes {what} as integer token ids, got {t.dtype}; pass a LongTensor")
+        if target.shape != ids.shape:
+            raise AutoparError(f"target has shape {tuple(target.shape)}, ids {tuple(ids.shape)}: they must match")
+        dev = self.mesh.device_type if self.mesh is not None else next(
+            (p.device.type for p in self.parameters()), ids.device.type)
+        if ids.device.type != dev or target.device.type != dev:
+            raise AutoparError(f"step() got ids on {ids.device} and target on {target.device}, but the model runs on "
+                               f"{dev}: move the batch there first")
+
+    def _step(self, ids: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        plan = self.plan
+        self._check_inputs(ids, target)
         B = ids.shape[0]
         if B % (plan.dp * plan.mb):
             raise AutoparError(
                 f"a batch of {B} sequences cannot be split over dp={plan.dp} ranks into microbatches "
                 f"of {plan.mb}; use a multiple of {plan.dp * plan.mb}"
             )
-        if target.shape != ids.shape:
-            raise AutoparError(f"target has shape {tuple(target.shape)}, ids {tuple(ids.shape)}: they must match")
         local = B // plan.dp
         sl = slice(self._dp_rank * local, (self._dp_rank + 1) * local)
         ids_l, tgt_l = ids[sl], target[sl]
@@ -237,8 +362,7 @@ class ParallelModule(nn.Module):
             loss = total / M
         if plan.dp > 1:
             loss = funcol.all_reduce(loss / plan.dp, "sum", self._dp_group)
-        self._pending_loss = loss
-        return loss
+        return funcol.wait_tensor(loss) if isinstance(loss, funcol.AsyncCollectiveTensor) else loss
 
     def _schedule(self, M: int):
         """The pipelining schedule for M microbatches (built once per M)."""

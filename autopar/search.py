@@ -166,7 +166,7 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                         continue
                     if "v" in pins and v != pins["v"]:
                         continue
-                    for sp in ([False, True] if tp > 1 else [False]):
+                    for sp in ([False, True] if tp > 1 and m.seq_len % tp == 0 else [False]):
                         if "sp" in pins and sp != pins["sp"]:
                             continue
                         fs_opts = [(False, 1, True)]

@@ -579,6 +579,9 @@ def validate_config(ctx: CostContext, cfg: Config) -> None:
         raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the {m.n_layers} layers of {m.name}")
     if cfg.sp and cfg.tp == 1:
         raise AutoparError("sequence parallelism needs tp > 1")
+    if cfg.sp and m.seq_len % cfg.tp:
+        raise AutoparError(f"sequence parallelism splits the {m.seq_len}-token sequence over tp={cfg.tp} ranks, which does "
+                           f"not divide it; use a sequence length that is a multiple of {cfg.tp}, or sp=0")
 
 
 def valid_tp_degrees(m: ModelProfile, limit: int = 512) -> list[int]:

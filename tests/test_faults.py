@@ -1,0 +1,49 @@
+"""Bounded failure: an exception on one rank inside step() stops every rank within seconds,
+each with an error that names the failing rank (4 real processes over gloo, default options)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.dist_harness import free_port
+
+WORLD, FAIL = 4, 2
+
+
+@pytest.mark.slow
+def test_one_rank_raises_every_rank_stops():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
+               FAIL_RANK=str(FAIL), PYTHONPATH=root, OMP_NUM_THREADS="1",
+               TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+                   os.path.expanduser("~"), ".cache", "autopar-test-inductor"))
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "tests", "scripts", "one_rank_fails.py")],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
+    outs, ended = {}, {}
+    deadline = time.time() + 900
+    while len(ended) < WORLD and time.time() < deadline:
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = time.time()
+        time.sleep(0.2)
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+        outs[r] = p.communicate()
+    assert len(ended) == WORLD, f"ranks {sorted(set(range(WORLD)) - set(ended))} still running: " + outs[0][1][-2000:]
+    err = outs[FAIL][1]
+    assert procs[FAIL].returncode != 0 and "RAISED" in err, err[-3000:]
+    assert "step() takes ids as integer token ids, got torch.float32" in err
+    raised_at = float(err.split("RAISED ")[1].split()[0])
+    for r in range(WORLD):
+        if r == FAIL:
+            continue
+        out, e = outs[r]
+        assert "GOOD_STEP" in out, e[-3000:]
+        assert procs[r].returncode != 0 and "NOT STOPPED" not in out, (r, out, e[-2000:])
+        assert f"rank {FAIL} failed in step(): AutoparError: step() takes ids as integer token ids" in e, e[-2000:]
+        assert ended[r] - raised_at < 30, f"rank {r} stopped {ended[r] - raised_at:.0f} s after rank {FAIL} failed"
