@@ -15,13 +15,28 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "plan": "autopar.api", "compile": "autopar.api", "estimate_plan": "autopar.api", "profile_model": "autopar.api",
+    "compile": "autopar.api", "estimate_plan": "autopar.api", "profile_model": "autopar.api",
     "ParallelModule": "autopar.runtime", "Plan": "autopar.plan",
     "AutoparError": "autopar.errors", "InfeasibleError": "autopar.errors", "PlanMismatchError": "autopar.errors",
     "TraceError": "autopar.errors",
 }
 
-__all__ = [*_LAZY, "__version__"]
+__all__ = [*_LAZY, "plan", "__version__"]
+
+
+# ``autopar.plan`` is both a submodule (the Plan data object) and the planning function. The
+# submodule is light: import it now, so that importing it later cannot rebind the name, and bind
+# the function over it.
+import autopar.plan as _plan_module  # noqa: E402
+
+
+def plan(*args, **kwargs):
+    from autopar.api import plan as _plan
+
+    return _plan(*args, **kwargs)
+
+
+plan.__doc__ = "Plan ``model`` for a mesh: see :func:`autopar.api.plan`."
 
 
 def __getattr__(name: str):

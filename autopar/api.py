@@ -605,6 +605,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     if not isinstance(model, nn.Module):
         raise AutoparError(f"autopar.compile takes an nn.Module, got {type(model).__name__}")
     world, device = _mesh_world(mesh)
+    from_mesh = mesh_pins(mesh)
     if dist.is_initialized() and world != dist.get_world_size():
         raise AutoparError(f"the mesh has {world} ranks but the process group has {dist.get_world_size()}; "
                            "pass a mesh over the whole world")
@@ -631,7 +632,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         plan = tuning[0]["plan"]
     if not isinstance(plan, Plan) and isinstance(plan, str) and plan != "auto" and "=" not in plan:
         plan = Plan.load(plan)
-    plan = _merge_pins(plan, mesh_pins(mesh))
+    plan = _merge_pins(plan, from_mesh)
     p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
     if p.seq_len != ids.shape[1]:

@@ -219,7 +219,7 @@ def trace_model(
 ) -> ModelTrace:
     """Trace ``build_or_model`` on fake tensors at (batch, seq_len) token inputs."""
     t0 = time.perf_counter()
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     prev = torch.get_default_dtype()
@@ -238,6 +238,19 @@ def trace_model(
         raise TraceError(f"{name} returned a {type(model).__name__}, not an nn.Module: a model factory "
                          "takes no arguments and returns the model")
     model.train()
+    # Tracing runs the model's Python code; an in-place update of a real buffer (a counter)
+    # would happen for real: keep their values and put them back.
+    kept = [(b, b.detach().clone()) for b in model.buffers() if not isinstance(b, FakeTensor) and b.device.type != "meta"]
+    try:
+        return _trace_model(model, mode, batch=batch, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype,
+                            loss_fn=loss_fn, name=name, example_inputs=example_inputs, t0=t0)
+    finally:
+        with torch.no_grad():
+            for b, v in kept:
+                b.copy_(v)
+
+
+def _trace_model(model, mode, *, batch, seq_len, vocab_size, dtype, loss_fn, name, example_inputs, t0) -> ModelTrace:
     container, members = find_block_container(model)
     by_sig: dict[str, list[tuple[str, nn.Module]]] = {}
     for fqn, m in members:
@@ -488,6 +501,28 @@ def _module_annotations(model: nn.Module, layers: list[str]):
     return handles
 
 
+def _mutated_inputs(gm: torch.fx.GraphModule, n_params: int, bnames: list[str]) -> list[str]:
+    """Buffers the traced step writes to (an in-place op on the buffer or a view of it)."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    root = {ph: bnames[i - n_params] for i, ph in enumerate(phs) if n_params <= i < n_params + len(bnames)}
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        args = n.args
+        if n.target.is_view and args and args[0] in root:
+            root[n] = root[args[0]]
+            continue
+        # native_batch_norm writes its running statistics without declaring it in its schema.
+        writes_stats = "batch_norm" in n.target.name() and any(a is True for a in args[5:6])
+        for a, spec in zip(args, n.target._schema.arguments):
+            written = (spec.alias_info is not None and spec.alias_info.is_write) or (
+                writes_stats and spec.name in ("running_mean", "running_var"))
+            if a in root and written and root[a] not in out:
+                out.append(root[a])
+    return out
+
+
 def trace_step(
     model: nn.Module, inputs: tuple, *, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
     name: str = "model",
@@ -542,6 +577,14 @@ def trace_step(
     finally:
         for h in handles:
             h.remove()
+    mutated = _mutated_inputs(gm, len(pnames), bnames)
+    if mutated:
+        raise TraceError(
+            f"{name} updates the buffer(s) {', '.join(mutated[:4])} in its forward pass (running statistics such as "
+            "BatchNorm's, or a counter): under data parallelism and microbatches each rank would keep different "
+            "values from a different share of the batch, so it would not be the same model. Use a normalisation "
+            "without running state (LayerNorm, RMSNorm, GroupNorm), or keep the buffer out of training "
+            "(track_running_stats=False); the model was not changed")
     out_type = box.get("type")
     return StepGraph(gm, pnames, aliases, bnames, len(inputs), target is not None, layers,
                      [tuple(x.shape) for x in inputs], out_type)

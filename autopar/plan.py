@@ -132,6 +132,7 @@ class Plan:
             d["outer_modules"] = tuple(tuple(x) for x in d.get("outer_modules", ()))
             d["placements"] = tuple(tuple(x) for x in d.get("placements", ()))
             d["tp_notes"] = tuple(d.get("tp_notes", ()))
+            d["notes"] = tuple(d.get("notes", ()))
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise AutoparError(f"plan JSON is missing or has unknown fields: {e}") from e
@@ -141,7 +142,7 @@ class Plan:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise AutoparError(f"plan is not valid JSON: {e}") from e
+            raise AutoparError(f"plan is not valid JSON ({e}); save it again with autopar explain ... -o plan.json") from e
         if not isinstance(d, dict):
             raise AutoparError("plan JSON must be an object")
         return cls.from_dict(d)
@@ -154,9 +155,13 @@ class Plan:
     def load(cls, path: str) -> "Plan":
         try:
             with open(path) as f:
-                return cls.from_json(f.read())
+                text = f.read()
         except OSError as e:
-            raise AutoparError(f"cannot read plan {path}: {e}") from e
+            raise AutoparError(f"cannot read plan {path}: {e.strerror}") from e
+        try:
+            return cls.from_json(text)
+        except AutoparError as e:
+            raise type(e)(f"{path}: {e}") from e
 
     def check(self, *, model_fingerprint: str | None = None, world_size: int | None = None) -> None:
         if model_fingerprint is not None and model_fingerprint != self.model_fingerprint:
