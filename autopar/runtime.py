@@ -407,6 +407,32 @@ class ParallelModule(nn.Module):
         return funcol.all_reduce(loss, "sum", self.mesh["pp"].get_group())  # only the last stage contributes
 
     @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """Plain full tensors under the original names, on every rank (a collective: call it on
+        all ranks). The original single-device model takes it with ``load_state_dict`` (so a
+        HuggingFace model can be ``save_pretrained`` after training); tied parameters appear
+        under each of their names, as in the original's ``state_dict``. Under PP each stage's
+        parameters are gathered from the ranks that hold them."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for k, v in self.state_dict(keep_vars=False).items():
+            out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        if self.plan.pp > 1:  # every rank holds some stages: share what each has over the pp group
+            group = self.mesh["pp"].get_group()
+            parts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, out, group=group)
+            out = {}
+            for part in parts:
+                out.update(part)
+        aliases = self.info.get("aliases", {})
+        for first, others in aliases.items():
+            for o in others:
+                if first in out:
+                    out.setdefault(o, out[first])
+        return out
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm over every shard (TP, FSDP) of every parameter.
 

@@ -52,10 +52,16 @@ def run_case(world: int, case: dict) -> dict:
     kw = {"compile": case["compile"]} if "compile" in case else {}
     pm = autopar.compile(par, world, example_inputs=(ids,), plan=case.get("plan", "auto"),
                          global_batch=ids.shape[0], **kw)
+    # The distributed weights gathered back: bit for bit the original's, loadable by a fresh model.
+    full = pm.full_state_dict()
+    ref_sd = ref.state_dict()
+    fresh = build(case.get("model", "llama-tiny"))
+    fresh.load_state_dict(full, strict=True)
+    full_ok = sorted(full) == sorted(ref_sd) and all(torch.equal(full[k], ref_sd[k]) for k in ref_sd)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     out = {"name": case["name"], "plan": pm.plan.as_config_string(), "losses": [], "ref_losses": [],
-           "is_module": isinstance(pm, torch.nn.Module)}
+           "is_module": isinstance(pm, torch.nn.Module), "full_state_dict_exact": full_ok}
     if case.get("user_loop") and pm.plan.pp == 1:
         # The module path, on the initial weights: each data-parallel rank runs its slice of the
         # batch through pm(x) and the loss in its own loop.

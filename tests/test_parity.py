@@ -65,6 +65,7 @@ def check(per_rank: list[dict], plan) -> None:
         if k != "dp_shard":
             assert got.get(k) == str(int(v) if isinstance(v, bool) else v), (r["name"], k, got)
     assert r["is_module"], "autopar.compile must return an nn.Module"
+    assert all(x["full_state_dict_exact"] for x in per_rank), "full_state_dict() differs from the original weights"
     names = set().union(*(x["param_names"] for x in per_rank))  # under PP each rank holds its stages'
     assert len(names) == r["n_ref_params"], f"{r['name']}: parameters {len(names)} of {r['n_ref_params']}"
     for x in per_rank:
