@@ -242,12 +242,30 @@ def trace_model(
     # would happen for real: keep their values and put them back.
     kept = [(b, b.detach().clone()) for b in model.buffers() if not isinstance(b, FakeTensor) and b.device.type != "meta"]
     try:
-        return _trace_model(model, mode, batch=batch, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype,
-                            loss_fn=loss_fn, name=name, example_inputs=example_inputs, t0=t0)
+        with _TargetKernels():
+            return _trace_model(model, mode, batch=batch, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype,
+                                loss_fn=loss_fn, name=name, example_inputs=example_inputs, t0=t0)
     finally:
         with torch.no_grad():
             for b, v in kept:
                 b.copy_(v)
+
+
+class _TargetKernels(torch.overrides.TorchFunctionMode):
+    """Price what the target GPU runs, not what this host's kernels choose. Attention with
+    dropout has no fused kernel on CPU, so the trace would take (and price) the unfused math
+    decomposition; a GPU runs flash/efficient attention with dropout inside the kernel. The
+    planner's trace therefore calls attention without dropout (same shapes, same fused op);
+    the executor traces the real model, dropout included."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            elif "dropout_p" in kwargs:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
 
 
 def _trace_model(model, mode, *, batch, seq_len, vocab_size, dtype, loss_fn, name, example_inputs, t0) -> ModelTrace:

@@ -158,3 +158,21 @@ def test_flops_expression_in_batch(llama8b):
     one = float(e.subs(b, 1))
     assert float(e.subs(b, 4)) == pytest.approx(4 * one)
     assert one * 3 / llama8b.seq_len == pytest.approx(llama8b.model_flops_per_token(), rel=1e-6)
+
+
+def test_attention_dropout_priced_as_the_fused_kernel(tmp_path, monkeypatch):
+    """Attention dropout makes this CPU take the unfused math path; the planner must price the
+    fused kernel the GPU runs, so dropout does not change the predicted step."""
+    import json
+
+    from autopar import api
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = {"model_type": "gpt2", "n_embd": 256, "n_head": 4, "n_layer": 2, "n_positions": 512, "vocab_size": 1024}
+    times = []
+    for p in (0.0, 0.1):
+        d = tmp_path / f"p{p}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, "attn_pdrop": p}))
+        times.append(api.plan(str(d / "config.json"), 8, pin="tp=1,pp=1").predicted["step_time_s"])
+    assert times[0] == pytest.approx(times[1], rel=0.02), times
