@@ -250,6 +250,7 @@ class ParallelModule(nn.Module):
         self._modules = model._modules
         self._parameters = model._parameters
         self._buffers = model._buffers
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set  # state_dict keys as the original's
         object.__setattr__(self, "_model_type", type(model))
         self.plan, self.mesh, self.loss_fn = plan, mesh, loss_fn
         self._step_runner = step_runner
