@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from bench import compile_time, planning_time, reference_runs, step_ratio, tune_cpu
+from bench import compile_time, planning_time, process_time, reference_runs, step_ratio, tune_cpu
 from bench.common import RESULTS
 
 
@@ -23,7 +23,7 @@ def micro() -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    steps = [("micro (pytest-benchmark)", micro), ("planning_time", planning_time.main),
+    steps = [("micro (pytest-benchmark)", micro), ("planning_time", planning_time.main), ("process_time", process_time.main),
              ("compile_time", compile_time.main), ("reference_runs", reference_runs.main)]
     if "--quick" not in argv:
         steps += [("step_ratio", lambda: step_ratio.main([])), ("tune_cpu", lambda: tune_cpu.main([]))]
