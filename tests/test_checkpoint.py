@@ -1,0 +1,49 @@
+"""Checkpoints survive a change of plan: torch.distributed.checkpoint saves pm.state_dict() under
+one plan; another plan (or a single process with the plain model) loads it, and the weights come
+back bit for bit under their original names. 4 gloo processes, default options (Inductor on)."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests import dist_harness, zoo
+from tests.test_parity import PLANS, PP4
+
+PAIRS = [("fsdp4", "tp2_fsdp2_sp"), ("tp2_fsdp2_sp", "pp2_fsdp2"), ("pp2_ddp2", "fsdp4")]
+ALL = {**PLANS, **PP4}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    cases = [{"name": f"{a}->{b}", "model": "llama-tiny", "save_plan": ALL[a], "load_plan": ALL[b],
+              "dir": str(tmp_path_factory.mktemp(f"ckpt_{a}"))} for a, b in PAIRS]
+    res = dist_harness.run(4, cases)
+    return cases, {c["name"]: [per_rank[i] for per_rank in res] for i, c in enumerate(cases)}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint")
+@pytest.mark.parametrize("pair", [f"{a}->{b}" for a, b in PAIRS])
+def test_load_under_another_plan(launched, pair):
+    per_rank = launched[1][pair]
+    for r in per_rank:
+        assert "error" not in r, f"{pair}: {r['error']}\n{r.get('tb', '')}"
+        assert r["identical"], f"{pair}: weights differ after loading under {r['plans'][1]}"
+        assert r["n"] == len(zoo.build("llama-tiny").state_dict())
+    assert len({r["loss_after_load"] for r in per_rank}) == 1, "every rank trains on from the same weights"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint")
+def test_single_process_loads_a_distributed_checkpoint(launched):
+    cases, _ = launched
+    for c in cases:
+        torch.manual_seed(2)
+        model = zoo.build("llama-tiny")
+        sd = model.state_dict()
+        dcp.load(sd, checkpoint_id=c["dir"])
+        model.load_state_dict(sd)
+        want = torch.load(f"{c['dir']}/full_state_dict.pt")
+        got = model.state_dict()
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), c["name"]
