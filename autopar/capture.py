@@ -242,13 +242,49 @@ def trace_model(
     # would happen for real: keep their values and put them back.
     kept = [(b, b.detach().clone()) for b in model.buffers() if not isinstance(b, FakeTensor) and b.device.type != "meta"]
     try:
-        with _TargetKernels():
-            return _trace_model(model, mode, batch=batch, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype,
-                                loss_fn=loss_fn, name=name, example_inputs=example_inputs, t0=t0)
+        return with_export_path_fallback(lambda: _trace_model(
+            model, mode, batch=batch, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype, loss_fn=loss_fn,
+            name=name, example_inputs=example_inputs, t0=t0), target_kernels=True)
     finally:
         with torch.no_grad():
             for b, v in kept:
                 b.copy_(v)
+
+
+def _data_dependent(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e} {type(e.__cause__).__name__ if e.__cause__ else ''}"
+    return "DataDependent" in text or "data-dependent" in text.lower()
+
+
+def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool = False) -> Any:
+    """Run ``trace``; if the model branches on a tensor's value, trace it again the way
+    ``torch.compile``/``torch.export`` see it (``torch.compiler.is_compiling()`` true), which is
+    the documented signal for libraries to take their traceable path (transformers then skips,
+    e.g., OPT's ``torch.all(attention_mask == 1)`` shortcut). If that fails too, the error names
+    the line the second trace stopped at."""
+    import contextlib
+
+    import torch.compiler as tc
+
+    def attempt():
+        with _TargetKernels() if target_kernels else contextlib.nullcontext():
+            return trace()
+
+    try:
+        return attempt()
+    except TraceError as first:
+        if not _data_dependent(first) or tc._is_compiling_flag:
+            raise
+        tc._is_compiling_flag = True
+        try:
+            return attempt()
+        except TraceError as second:
+            if str(second) == str(first):
+                raise first from None
+            raise TraceError(f"{second} (traced twice: the first trace stopped at another value-dependent line, "
+                             "and the export path, torch.compiler.is_compiling() true, passed it but stops here)") from None
+        finally:
+            tc._is_compiling_flag = False
 
 
 class _TargetKernels(torch.overrides.TorchFunctionMode):
@@ -584,17 +620,21 @@ def trace_step(
             box["type"] = type(out)
         return logits_of(out)
 
-    handles = _module_annotations(model, layers)
-    try:
-        with fx_traceback.preserve_node_meta():
-            from torch.fx.experimental.proxy_tensor import make_fx
+    def trace():
+        handles = _module_annotations(model, layers)
+        try:
+            with fx_traceback.preserve_node_meta():
+                from torch.fx.experimental.proxy_tensor import make_fx
 
-            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(params, buffers, list(inputs), *([target] if target is not None else []))
-    except Exception as e:
-        raise _trace_error(e, f"the training step of {name}") from e
-    finally:
-        for h in handles:
-            h.remove()
+                return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                    params, buffers, list(inputs), *([target] if target is not None else []))
+        except Exception as e:
+            raise _trace_error(e, f"the training step of {name}") from e
+        finally:
+            for h in handles:
+                h.remove()
+
+    gm = with_export_path_fallback(trace)
     mutated = _mutated_inputs(gm, len(pnames), bnames)
     if mutated:
         raise TraceError(

@@ -158,6 +158,14 @@ def _untouched(m, before):
     return all(torch.equal(before[k], v) for k, v in m.state_dict().items())
 
 
+def _hf_opt():
+    import transformers as tf
+
+    cfg = tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=8, vocab_size=256,
+                       max_position_embeddings=64, word_embed_proj_dim=64, use_cache=False)
+    return tf.OPTForCausalLM(cfg)
+
+
 API_CASES = [
     ("not_a_module", lambda: ("llama-tiny", 1, {}), AutoparError, r"takes an nn.Module, got str"),
     ("world_without_process_group", lambda: (build("llama-tiny"), 4, {}), AutoparError, r"needs torch.distributed initialised"),
@@ -170,6 +178,9 @@ API_CASES = [
                                                                    "plan": autopar.plan("llama-tiny", 1, hardware="cpu",
                                                                                         global_batch=8, precision="fp32")}),
      PlanMismatchError, r"made for model"),
+    # OPT: the mask shortcut is passed on the export path; LayerDrop's random branch is not.
+    ("value_dependent_branch_hf_opt", lambda: (_hf_opt(), 1, {"example_inputs": (torch.randint(0, 256, (4, 16)),)}),
+     TraceError, r"modeling_opt.py:\d+: if dropout_probability < self.layerdrop.*Python control flow on a tensor's value"),
     ("buffers_updated_in_forward", lambda: (_BatchNormBlocks(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      TraceError, r"updates the buffer\(s\) bn.num_batches_tracked, bn.running_mean, bn.running_var.*LayerNorm"),
 ]
