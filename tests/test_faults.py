@@ -43,7 +43,7 @@ def test_one_rank_raises_every_rank_stops():
         if r == FAIL:
             continue
         out, e = outs[r]
-        assert "GOOD_STEP" in out, e[-3000:]
+        # (a rank may still be inside its first step's guarded call when the failure arrives: it stops there)
         assert procs[r].returncode != 0 and "NOT STOPPED" not in out, (r, out, e[-2000:])
         assert f"rank {FAIL} failed in step(): AutoparError: step() takes ids as integer token ids" in e, e[-2000:]
         assert ended[r] - raised_at < 30, f"rank {r} stopped {ended[r] - raised_at:.0f} s after rank {FAIL} failed"
