@@ -156,10 +156,14 @@ def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> Non
             dist.destroy_process_group()
 
 
-def run(world: int, cases: list[dict], timeout: float = 1500) -> list[list[dict]]:
+def run(world: int, cases: list[dict], timeout: float = 1500, _retry: bool = True) -> list[list[dict]]:
     """Results per rank (a list per case). An error on any rank ends the launch: the other
-    ranks, which may wait in a collective for it, are stopped and reported as such."""
+    ranks, which may wait in a collective for it, are stopped and reported as such. A launch
+    in which a process died of SIGSEGV (gloo's transport thread was seen to crash under load on
+    this 2-core machine) is run once more, and says so; any other failure is reported as is."""
     import queue
+    import signal
+    import sys
     import time
 
     ctx = mp.get_context("spawn")
@@ -182,10 +186,15 @@ def run(world: int, cases: list[dict], timeout: float = 1500) -> list[list[dict]
         out[rank].append(res)
         if "error" in res and failed_at is None:
             failed_at = time.monotonic()
+    crashed = [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGSEGV]
     for p in procs:
         p.join(timeout=5 if failed_at is None else 0.1)
         if p.is_alive():
             p.terminate()
+    crashed += [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGSEGV and r not in crashed]
+    if crashed and _retry:
+        print(f"dist_harness: rank(s) {crashed} died of SIGSEGV; running the launch once more", file=sys.stderr)
+        return run(world, cases, timeout, _retry=False)
     for r in range(world):
         done = {x["name"] for x in out[r]}
         out[r] += [{"name": c["name"], "error": "stopped: another rank failed or the launch timed out"}
