@@ -192,8 +192,13 @@ def run(world: int, cases: list[dict], timeout: float = 1500, _retry: bool = Tru
         if p.is_alive():
             p.terminate()
     crashed += [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGSEGV and r not in crashed]
+    # A rank that exited without reporting anything (no error of its own, e.g. stopped by the
+    # failure watch because a peer died): also a crash, not a parity result.
+    reported = {r for r in range(world) if any("error" in x for x in out[r])}
+    if not reported:
+        crashed += [r for r, p in enumerate(procs) if p.exitcode not in (0, None, -signal.SIGTERM) and r not in crashed]
     if crashed and _retry:
-        print(f"dist_harness: rank(s) {crashed} died of SIGSEGV; running the launch once more", file=sys.stderr)
+        print(f"dist_harness: rank(s) {crashed} died without a result; running the launch once more", file=sys.stderr)
         return run(world, cases, timeout, _retry=False)
     for r in range(world):
         done = {x["name"] for x in out[r]}
