@@ -33,7 +33,7 @@ def test_tune_picks_measured_fastest_and_reuses(tmp_path):
     model = build("llama-tiny")
     ids, tgt = batch(1)
     pm = autopar.compile(copy.deepcopy(model), 1, example_inputs=(ids,), tune=True, tune_top=3, tune_steps=1,
-                         tune_db=db, compile=False)
+                         tune_db=db)
     rows = pm.tuning
     assert len(rows) >= 2 and not any(r["reused"] for r in rows)
     fitting = [r for r in rows if r["fits"]]
@@ -50,7 +50,7 @@ def test_tune_picks_measured_fastest_and_reuses(tmp_path):
     ref_g = dict(ref.named_parameters())
     assert max(float((p.grad - ref_g[n].grad).abs().max()) for n, p in pm.named_parameters()) < 1e-6
     again = autopar.compile(copy.deepcopy(model), 1, example_inputs=(ids,), tune=True, tune_top=3, tune_steps=1,
-                            tune_db=db, compile=False)
+                            tune_db=db)
     assert all(r["reused"] for r in again.tuning)
     assert [r["measured_s"] for r in again.tuning] == [r["measured_s"] for r in rows]
 

@@ -23,7 +23,7 @@ with torch.device("meta"):
     model = models.Llama(cfg).to(torch.bfloat16)
 model = model.to_empty(device="cpu")  # storage without initialisation: only shapes matter here
 ids = torch.randint(0, cfg.vocab_size, (dp, 256))
-pm = autopar.compile(model, world, example_inputs=(ids,), plan=pins, compile=False, hardware="h100")
+pm = autopar.compile(model, world, example_inputs=(ids,), plan=pins, hardware="h100")
 got = collections.Counter()
 for r in pm.info["collectives"]["step"]:
     got[f"{r['graph']}:{r['kind']}:{r['group_size']}:{r['pass']}"] += 1
