@@ -50,9 +50,9 @@ def profile_model(
     vocab = None
     name = type(model).__name__
     notes: tuple[str, ...] = ()
-    if isinstance(model, models.ModelSource) and example_inputs is None:
-        seq_len, notes = models.planning_seq_len(model, seq_len)
     if isinstance(model, models.ModelSource):
+        if example_inputs is None:
+            seq_len, notes = models.planning_seq_len(model, seq_len)
         vocab = model.vocab_size
         name = model.name
         build: Any = model.build
@@ -371,22 +371,20 @@ def mesh_pins(mesh: Any) -> dict:
     return pins
 
 
-def _merge_pins(plan_arg: Any, from_mesh: dict) -> Any:
-    """The user's plan argument with the mesh's pins added; a contradiction is an error."""
-    if not from_mesh:
-        return plan_arg
+def _plan_argument(plan_arg: Any, from_mesh: dict) -> Plan | dict:
+    """What the user passed as ``plan`` ("auto", pins as a dict or ``"tp=2,sp=1"``, a Plan or a
+    JSON path) as a Plan or a dict of pins, with the mesh's pins added; a contradiction between
+    the two is an error."""
+    if isinstance(plan_arg, str) and plan_arg != "auto" and ("=" not in plan_arg or os.path.exists(plan_arg)):
+        plan_arg = Plan.load(plan_arg)
     if isinstance(plan_arg, Plan):
         got = {"tp": plan_arg.tp, "pp": plan_arg.pp, "dp": plan_arg.dp, "dp_shard": plan_arg.dp_shard}
-        bad = {k: v for k, v in from_mesh.items() if k in got and got[k] != v}
-        if bad:
+        if any(k in got and got[k] != v for k, v in from_mesh.items()):
             raise PlanMismatchError(
                 f"the plan ({plan_arg.as_config_string()}) does not match the mesh's dimensions "
                 f"({', '.join(f'{k}={v}' for k, v in from_mesh.items())}); pass a mesh of the plan's shape or the world size")
         return plan_arg
-    is_pins = isinstance(plan_arg, dict) or (isinstance(plan_arg, str) and "=" in plan_arg)
-    if not is_pins and plan_arg != "auto":
-        return plan_arg  # a plan file: checked once loaded
-    pins = search_mod.parse_pins(plan_arg) if is_pins else {}
+    pins = search_mod.parse_pins(None if plan_arg == "auto" else plan_arg)
     for k, v in from_mesh.items():
         if k in pins and pins[k] != v:
             raise AutoparError(f"plan pins {k}={pins[k]} but the mesh's '{k}' dimension has {v}; pin what the mesh has")
@@ -404,22 +402,17 @@ def _mesh_world(mesh: Any) -> tuple[int, str]:
     return mesh, dev
 
 
-def _resolve_plan(plan_arg: Any, model: nn.Module, world: int, prof: Profiled, *, example_inputs, hardware,
+def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Profiled, *, example_inputs, hardware,
                   global_batch, memory_limit_gb, loss_fn, device: str) -> Plan:
-    """A Plan from what the user passed ("auto", pins as a dict or ``"tp=2,sp=1"``, a Plan, or a
-    JSON path), checked against this model's fingerprint and the world size."""
-    import os
-
-    is_pins = isinstance(plan_arg, dict) or (isinstance(plan_arg, str) and "=" in plan_arg and not os.path.exists(plan_arg))
-    if not is_pins and (isinstance(plan_arg, Plan) or (isinstance(plan_arg, str) and plan_arg != "auto")):
-        p = plan_arg if isinstance(plan_arg, Plan) else Plan.load(plan_arg)
-        p.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
-        return p
+    """The given Plan checked against this model's fingerprint and the world size, or a new plan
+    under the given pins (see ``_plan_argument``)."""
+    if isinstance(plan_arg, Plan):
+        plan_arg.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
+        return plan_arg
     hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
     gb = global_batch or int(example_inputs[0].shape[0])
-    return plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb,
-                pin=plan_arg if is_pins else None, memory_limit_gb=memory_limit_gb,
-                precision=model_precision(model), loss_fn=loss_fn, profiled=prof)
+    return plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb, pin=plan_arg or None,
+                memory_limit_gb=memory_limit_gb, precision=model_precision(model), loss_fn=loss_fn, profiled=prof)
 
 
 @dataclass
@@ -630,9 +623,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
                                      hardware=load_hardware(hw).name, db=db, steps=tune_steps, loss_fn=loss_fn,
                                      compile=compile, memory_limit_gb=memory_limit_gb)
         plan = tuning[0]["plan"]
-    if not isinstance(plan, Plan) and isinstance(plan, str) and plan != "auto" and "=" not in plan:
-        plan = Plan.load(plan)
-    plan = _merge_pins(plan, from_mesh)
+    plan = _plan_argument(plan, from_mesh)
     p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
     if p.seq_len != ids.shape[1]:

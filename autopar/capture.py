@@ -190,15 +190,13 @@ def _trace_error(e: Exception, what: str, advice: str | None = None) -> TraceErr
     here = os.path.dirname(os.path.abspath(__file__))
     user = [f for f in frames if "site-packages/torch" not in f.filename and not f.filename.startswith(here)]
     where = f" at {user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else ""
-    if advice is not None:
-        pass
-    elif "DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower():
+    if advice is None and _data_dependent(e):
         advice = (
             "autopar traces the model on fake tensors, where values are unknown: Python control flow "
             "on a tensor's value, .item() or .tolist() cannot be traced. Rewrite that line with tensor "
             "ops (torch.where instead of an if on a value)."
         )
-    else:
+    elif advice is None:
         advice = (
             "The model failed on fake inputs of the planned shape: check the sequence length "
             "(--seq-len) and example inputs against what the model accepts."
@@ -252,6 +250,7 @@ def trace_model(
 
 
 def _data_dependent(e: BaseException) -> bool:
+    """The trace stopped because the model branches on (or reads) a tensor's value."""
     text = f"{type(e).__name__} {e} {type(e.__cause__).__name__ if e.__cause__ else ''}"
     return "DataDependent" in text or "data-dependent" in text.lower()
 
@@ -568,7 +567,7 @@ def _mutated_inputs(gm: torch.fx.GraphModule, n_params: int, bnames: list[str]) 
             root[n] = root[args[0]]
             continue
         # native_batch_norm writes its running statistics without declaring it in its schema.
-        writes_stats = "batch_norm" in n.target.name() and any(a is True for a in args[5:6])
+        writes_stats = "batch_norm" in n.target.name() and len(args) > 5 and args[5] is True  # training
         for a, spec in zip(args, n.target._schema.arguments):
             written = (spec.alias_info is not None and spec.alias_info.is_write) or (
                 writes_stats and spec.name in ("running_mean", "running_var"))
