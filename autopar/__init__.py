@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "compile": "autopar.api", "estimate_plan": "autopar.api", "profile_model": "autopar.api",
-    "ParallelModule": "autopar.runtime", "Plan": "autopar.plan",
+    "ParallelModule": "autopar.runtime", "shutdown": "autopar.runtime", "Plan": "autopar.plan",
     "AutoparError": "autopar.errors", "InfeasibleError": "autopar.errors", "PlanMismatchError": "autopar.errors",
     "TraceError": "autopar.errors",
 }

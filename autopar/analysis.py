@@ -170,6 +170,22 @@ class ModelProfile:
     def n_layers(self) -> int:
         return sum(b.count for b in self.blocks)
 
+    @property
+    def tied_outside(self) -> tuple[int, int]:
+        """Elements of the weights tied across the model's two ends (a head sharing the input
+        embedding): (vocabulary-sized, other). Counted once in ``pre``; under PP the last stage
+        holds a copy."""
+        vocab = rep = 0
+        for a, _ in self.tied:
+            shape = self.outside_params.get(a)
+            if shape is None:  # weights shared inside the repeated blocks stay on their stage
+                continue
+            if self.vocab in shape:
+                vocab += math.prod(shape)
+            else:
+                rep += math.prod(shape)
+        return vocab, rep
+
     def layer_sequence(self) -> list[BlockProfile]:
         """Block profiles in model order (one entry per layer)."""
         if self._layer_seq is None:
@@ -693,7 +709,10 @@ def step_roles(sg) -> StepRoles:
             continue
         if n.target in _LOOKUPS and n.args[0] in pidx:
             residual.add(n)
-            if n.args[1] in inputs:
+            idx = n.args[1]
+            while isinstance(idx, torch.fx.Node) and idx.op == "call_function" and idx.target in _FEATURE_VIEWS:
+                idx = idx.args[0]  # the ids reshaped (GPT-2 views them as (-1, seq))
+            if idx in inputs:
                 token_tables.add(pidx[n.args[0]])
         elif any(a in residual for a in n.all_input_nodes):
             residual.add(n)

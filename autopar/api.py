@@ -456,13 +456,13 @@ def _layout(sg, p: Plan, mesh):
 def _distribute_parameters(model: nn.Module, sg, lay) -> list[torch.Tensor]:
     """Replace each parameter of ``model`` (under every name it has) by its DTensor shard on the
     mesh; the values come from rank 0. Returns the local shards, in the step graph's order."""
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     locals_ = []
     for i, name in enumerate(sg.param_names):
         p = model.get_parameter(name)
-        if lay.param_mesh is None:
-            locals_.append(p.detach())
+        if lay.param_mesh is None or isinstance(p.data, DTensor):  # one process, or placed by another stage
+            locals_.append(getattr(p.data, "_local_tensor", p.detach()))
             continue
         with torch.no_grad():
             dt = distribute_tensor(p.detach(), lay.param_mesh, lay.placements(i), src_data_rank=0)
@@ -529,6 +529,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     sg = capture.trace_step(model, (mb_ids,), name=name)
     n_stages = p.pp * p.v
     stages = pp_mod.split(sg, pp_mod.layer_stages(sg, p), n_stages)
+    shared = pp_mod.shared_params(stages)
     rank = mesh.get_local_rank("pp")
     mine = [s for s in range(n_stages) if s % p.pp == rank]
     keep = {n for s in mine for n in stages[s].param_names}
@@ -538,9 +539,20 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
                 owner, _, attr = n.rpartition(".")
                 (model.get_submodule(owner) if owner else model)._parameters[attr] = None
     runners, placements, notes, info = {}, [], [], {"param_names": sorted(keep), "output_type": None}
+    layouts = {s: _layout(stages[s], p, mesh) for s in set(mine) | {s for ss in shared.values() for s in ss}}
+    for pname, ss in shared.items():
+        got = {s: layouts[s][0].placements(stages[s].param_names.index(pname)) for s in ss}
+        if len(set(map(str, got.values()))) > 1:
+            raise AutoparError(f"parameter {pname} is shared by pipeline stages {ss}, which would place it "
+                               f"differently ({', '.join(f'stage {s}: {v}' for s, v in got.items())}); pin tp=1")
+    info["tied"] = _tied_groups(shared, p, mesh, rank)
+    info.setdefault("collectives", {})["tied gradients"] = [
+        {"graph": "after backward", "kind": "all_reduce", "group_size": group.size(), "pass": "pp tied",
+         "bytes": int(getattr(model.get_parameter(name).data, "_local_tensor", model.get_parameter(name)).nbytes),
+         "source": name, "module": ""} for name, group, _ in info["tied"]]
     for s in mine:
         st = stages[s]
-        lay, rules = _layout(st, p, mesh)
+        lay, rules = layouts[s]
         placements += [(n, placement_str(lay.tp[i]) if i in lay.tp else "R", placement_str(lay.dp[i]))
                        for i, n in enumerate(st.param_names)]
         notes += list(rules.notes if rules else ())
@@ -559,6 +571,39 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     info["buffers"] = []
     return ParallelModule(model, p, mesh, step_runner=None, forward_factory=None, loss_fn=loss_fn, info=info,
                           stages=runners)
+
+
+def _tied_groups(shared: dict, p: Plan, mesh, rank: int) -> list[tuple[str, Any, bool]]:
+    """For each parameter shared by stages on different pipeline ranks (a tied embedding and
+    head): the process group of exactly the ranks that hold a copy (one per pipeline line, as
+    Megatron-LM's embedding group), over which the copies' gradients are summed after backward;
+    and whether this rank counts it in the gradient norm (the first holder does). Every rank
+    creates every group, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    out, groups = [], {}
+    pp_group = mesh["pp"].get_group()
+    lines = mesh.mesh.reshape(p.pp, -1)
+    me = dist.get_rank()
+    for pname, ss in sorted(shared.items()):
+        holders = sorted({s % p.pp for s in ss})
+        if len(holders) < 2:
+            continue  # one rank holds every stage that uses it: its gradient accumulates in place
+        key = tuple(holders)
+        if key not in groups:
+            if len(holders) == p.pp:
+                groups[key] = pp_group
+            else:
+                mine = None
+                for col in range(lines.shape[1]):
+                    ranks = lines[holders, col].tolist()
+                    g = dist.new_group(ranks)
+                    if me in ranks:
+                        mine = g
+                groups[key] = mine
+        if rank in holders:
+            out.append((pname, groups[key], rank == holders[0]))
+    return out
 
 
 def compile(
@@ -628,11 +673,6 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
     if p.seq_len != ids.shape[1]:
         raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
-    if p.pp > 1 and p.tp > 1:
-        raise AutoparError(
-            f"the plan combines pipeline (pp={p.pp}) and tensor parallelism (tp={p.tp}); the graph executor does not "
-            "run TP inside pipeline stages yet: pin tp=1 (or pp=1) and plan again"
-        )
     dmesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh

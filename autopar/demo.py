@@ -55,8 +55,7 @@ def _worker(rank: int, port: int) -> None:
         value = loss.item()  # every rank reads its loss: the all-reduce behind it completes
         if rank == 0:
             print(f"[rank 0] step {step}: loss {value:.5f}  grad norm {norm.item():.4f}")
-    dist.barrier()
-    dist.destroy_process_group()
+    autopar.shutdown()
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ BREAKDOWN_LABELS = {
     "fsdp_comm": "exposed FSDP all-gather / reduce-scatter",
     "dp_comm": "exposed DP gradient all-reduce",
     "pp_p2p": "pipeline send/recv",
+    "pp_tied_grads": "tied-weight gradient all-reduce (pipeline ends)",
     "pp_runtime": "pipeline schedule runtime",
     "tp_eager_overhead": "eager DTensor dispatch (TP/SP)",
     "bubble": "pipeline bubble",

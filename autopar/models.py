@@ -234,7 +234,8 @@ PRESETS: dict[str, Any] = {
     "llama-tiny": _llama(64, 4, 8, 4, 160, vocab=256, seq=64, theta=10000.0),
     "llama-small": _llama(256, 8, 8, 4, 688, vocab=1024, seq=256, theta=10000.0),
     "gpt-tiny": GPTConfig(64, 4, 4, 256, 64, tie_embeddings=True),
-    **{k: GPTConfig(h, n, a, 51200, 2048) for k, (h, a, n) in _GPT_TABLE.items()},
+    # Megatron-LM shares the input embedding with the output head by default, as GPT-3 did.
+    **{k: GPTConfig(h, n, a, 51200, 2048, tie_embeddings=True) for k, (h, a, n) in _GPT_TABLE.items()},
 }
 
 

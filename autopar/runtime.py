@@ -49,29 +49,46 @@ def init_distributed(backend: str | None = None) -> None:
 
 class FailureWatch:
     """Bounded failure across ranks. An exception on one rank inside ``compile`` or ``step()`` is
-    posted to the process group's store (first failure wins); every other rank has a thread
-    blocked on that key (its own store connection, no polling). A rank that learns of the
-    failure while it is inside a guarded call is, by construction, waiting for the failed rank in
-    a collective that will never complete (gloo and NCCL cannot interrupt it from Python), so it
-    prints the failing rank's error and exits (status 1), as torchrun's elastic agent would. A
-    rank that learns of it between calls raises the failing rank's error at its next call."""
+    posted to the process group's store (first failure wins) and every rank's wake key is set;
+    every rank has a thread blocked on its own wake key (its own store connection, no polling).
+    A rank that learns of the failure while it is inside a guarded call is, by construction,
+    waiting for the failed rank in a collective that will never complete (gloo and NCCL cannot
+    interrupt it from Python), so it prints the failing rank's error and exits (status 1), as
+    torchrun's elastic agent would. A rank that learns of it between calls raises the failing
+    rank's error at its next call. At exit (or when the process group changes) a rank wakes
+    only its own thread and joins it: a thread still inside a store call while the interpreter
+    finalizes aborts the process."""
 
     KEY = "autopar/failure"
     _instance: "FailureWatch | None" = None
 
     def __init__(self):
+        import atexit
         import threading
 
         self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.group = dist.group.WORLD
         self.store = dist.distributed_c10d._get_default_store().clone()
         self.depth = 0
         self.failure: str | None = None
-        threading.Thread(target=self._watch, daemon=True, name="autopar-failure-watch").start()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="autopar-failure-watch")
+        self.thread.start()
+        atexit.register(self.stop)
+
+    def _wake_key(self, rank: int) -> str:
+        return f"{self.KEY}/wake/{rank}"
 
     @classmethod
     def get(cls) -> "FailureWatch | None":
-        """The process's watch, started on first use (None without a real multi-rank group)."""
-        if cls._instance is None and dist.is_initialized() and dist.get_world_size() > 1:
+        """The process's watch for the current process group, started on first use (None without
+        a real multi-rank group)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        if cls._instance is not None and cls._instance.group is not dist.group.WORLD:
+            cls._instance.stop()  # the group it watched is gone
+            cls._instance = None
+        if cls._instance is None:
             try:
                 cls._instance = cls()
             except (RuntimeError, AttributeError, NotImplementedError) as e:  # a store that cannot clone (fake PG)
@@ -79,13 +96,34 @@ class FailureWatch:
                 return None
         return cls._instance
 
+    @classmethod
+    def stop_current(cls) -> None:
+        """Stop this process's watch (before ``destroy_process_group``, after a barrier, so that
+        no rank's thread is left waiting on a store that goes away)."""
+        if cls._instance is not None:
+            cls._instance.stop()
+            cls._instance = None
+
+    def stop(self) -> None:
+        """Wake this rank's watch thread (only its own) and wait for it to return."""
+        if not self.thread.is_alive():
+            return
+        try:  # another connection: the thread's own is blocked in its wait
+            self.store.clone().set(self._wake_key(self.rank), "stop")
+        except Exception as e:  # noqa: BLE001 - the store is gone: the thread's wait has failed too
+            log.info("failure watch: %s", e)
+        self.thread.join(timeout=5)
+
     def _watch(self) -> None:
         import datetime
         import sys
 
+        key = self._wake_key(self.rank)
         while True:
             try:
-                self.store.wait([self.KEY], datetime.timedelta(hours=1))
+                self.store.wait([key], datetime.timedelta(hours=1))
+                if self.store.get(key).decode() == "stop":
+                    return
                 msg = self.store.get(self.KEY).decode()
             except Exception as e:  # noqa: BLE001 - a wait timeout: wait again; the store gone: stop
                 if "timeout" in str(e).lower() or "timed out" in str(e).lower():
@@ -113,6 +151,8 @@ class FailureWatch:
         try:
             if store.add(self.KEY + "/count", 1) == 1:
                 store.set(self.KEY, msg)
+                others = [r for r in range(self.world) if r != self.rank]
+                store.multi_set([self._wake_key(r) for r in others], ["failure"] * len(others))
                 return msg
             store.wait([self.KEY], datetime.timedelta(seconds=10))
             return store.get(self.KEY).decode()
@@ -129,6 +169,16 @@ class FailureWatch:
     def __exit__(self, typ, exc, tb):
         self.depth -= 1
         return False
+
+
+def shutdown() -> None:
+    """End a run cleanly on every rank: stop the failure watch, wait for every rank, destroy the
+    process group (a plain ``destroy_process_group`` also works; this one leaves no rank's
+    watch waiting on the store that rank 0 takes down)."""
+    FailureWatch.stop_current()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def guarded(where: str):
@@ -260,6 +310,8 @@ class ParallelModule(nn.Module):
         self._schedules: dict = {}
         self.info = info  # what the passes did: collectives, notes, timings
         self._buffer_list = info["buffers"]
+        # Parameters shared by pipeline stages on other ranks: (name, group of the holders, counted here).
+        self._tied = info.pop("tied", [])
         if mesh is not None and plan.dp > 1:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
             self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
@@ -404,6 +456,9 @@ class ParallelModule(nn.Module):
         losses: list = []
         kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stages else {}
         sched.step(*args, **kwargs)
+        for name, group, _ in self._tied:  # each copy got the gradient of its own stage's uses
+            g = self.get_parameter(name).grad
+            dist.all_reduce(getattr(g, "_local_tensor", g), group=group)
         loss = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros((), device=ids.device)
         return funcol.all_reduce(loss, "sum", self.mesh["pp"].get_group())  # only the last stage contributes
 
@@ -444,8 +499,11 @@ class ParallelModule(nn.Module):
         from torch.distributed.tensor import DTensor, Replicate
 
         params = [p for p in self.parameters() if p.grad is not None]
+        copies = {id(self.get_parameter(name)) for name, _, counted in self._tied if not counted}
         sums: dict[tuple, list] = {}
         for p in params:
+            if id(p) in copies:  # another rank's copy of the same weight counts it
+                continue
             g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])

@@ -124,11 +124,6 @@ def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
             f"tp={pins['tp']} does not divide {', '.join(m.max_tp_check(pins['tp']))} of {m.name}; "
             f"valid TP degrees: {', '.join(str(t) for t in valid_tp_degrees(m, world) if world % t == 0)}"
         )
-    if pins.get("pp", 1) > 1 and m.tied:
-        raise AutoparError(
-            f"{m.name} ties {m.tied[0][0]} to {m.tied[0][1]}: the two ends of the model share one "
-            "parameter, so they cannot sit on different pipeline stages; pin pp=1"
-        )
     if "pp" in pins and pins["pp"] > m.n_layers:
         raise AutoparError(f"pp={pins['pp']} exceeds the {m.n_layers} layers of {m.name}")
     if "dp" in pins and ctx.global_batch % pins["dp"]:
@@ -146,8 +141,6 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
             continue
         for pp in divisors(world // tp):
             if pp > m.n_layers or ("pp" in pins and pp != pins["pp"]):
-                continue
-            if pp > 1 and m.tied:  # a head tied to the embedding cannot live on another stage
                 continue
             dp = world // (tp * pp)
             if B % dp or ("dp" in pins and dp != pins["dp"]):

@@ -673,8 +673,9 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args, q) -> None:
 
         q.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        from autopar.runtime import shutdown
+
+        shutdown()
 
 
 def launch(nproc: int, backend: str, fn, *args):

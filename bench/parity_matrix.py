@@ -12,7 +12,7 @@ import sys
 import time
 
 from tests import dist_harness
-from tests.test_parity import GRAD_TOL, LOSS_TOL, MODELS, PLANS, TRAJ_TOL
+from tests.test_parity import GRAD_TOL, LOSS_TOL, MODELS, PLANS, PP4, TRAJ_TOL
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
 
@@ -29,11 +29,20 @@ def _row(per_rank: list[dict]) -> dict:
 
 
 def main() -> int:
-    models = sys.argv[1:] or MODELS
+    """``python -m bench.parity_matrix [MODEL ...] [--only NAME[,NAME...]]``: every plan (the 4-rank
+    pipeline plans included) on every model, or the named subset."""
+    args = sys.argv[1:]
+    only = None
+    if "--only" in args:
+        i = args.index("--only")
+        only = set(args[i + 1].split(","))
+        args = args[:i] + args[i + 2:]
+    models = args or MODELS
+    plans = {n: p for n, p in {**PLANS, **PP4}.items() if only is None or n in only}
     rows = []
     t0 = time.time()
     for m in models:
-        cases = [{"name": f"{m}/{n}", "model": m, "plan": p} for n, p in PLANS.items()]
+        cases = [{"name": f"{m}/{n}", "model": m, "plan": p} for n, p in plans.items()]
         res = dist_harness.run(4, cases)
         for i in range(len(cases)):
             rows.append(_row([per_rank[i] for per_rank in res]))

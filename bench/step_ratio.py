@@ -144,8 +144,7 @@ def _worker(rank, world, port, cfgs, steps, compile, q):
         r["ratio"] = r["autopar_s"] / r["hand_s"]
         out.append(r)
     q.put((rank, out))
-    dist.barrier()
-    dist.destroy_process_group()
+    autopar.shutdown()
 
 
 def _predicted_mib(plan, world) -> float:

@@ -140,6 +140,9 @@ def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       TORCHINDUCTOR_CACHE_DIR=cache)
     torch.set_num_threads(1)
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         for case in cases:
@@ -150,7 +153,9 @@ def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> Non
             q.put((rank, res))
             if "error" in res:
                 return
-        dist.barrier()
+        import autopar
+
+        autopar.shutdown()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -159,8 +164,8 @@ def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> Non
 def run(world: int, cases: list[dict], timeout: float = 1500, _retry: bool = True) -> list[list[dict]]:
     """Results per rank (a list per case). An error on any rank ends the launch: the other
     ranks, which may wait in a collective for it, are stopped and reported as such. A launch
-    in which a process died of SIGSEGV (gloo's transport thread was seen to crash under load on
-    this 2-core machine) is run once more, and says so; any other failure is reported as is."""
+    in which a process died of a signal (gloo's transport was seen to crash, SIGSEGV or a heap
+    check's SIGABRT, under load on this 2-core machine) is run once more, and says so; any other failure is reported as is."""
     import queue
     import signal
     import sys
@@ -180,28 +185,38 @@ def run(world: int, cases: list[dict], timeout: float = 1500, _retry: bool = Tru
     while sum(map(len, out.values())) < world * len(cases):
         wait = deadline - time.monotonic() if failed_at is None else min(deadline, failed_at + 20) - time.monotonic()
         try:
-            rank, res = q.get(timeout=max(wait, 0.1))
+            rank, res = q.get(timeout=min(max(wait, 0.1), 2.0))
         except queue.Empty:
-            break
+            if wait <= 0:
+                break
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()  # a process died: its peers get 20 s to report
+            continue
         out[rank].append(res)
         if "error" in res and failed_at is None:
             failed_at = time.monotonic()
-    crashed = [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGSEGV]
     for p in procs:
         p.join(timeout=5 if failed_at is None else 0.1)
         if p.is_alive():
             p.terminate()
-    crashed += [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGSEGV and r not in crashed]
+            p.join(timeout=5)
+    # A process killed by a signal we did not send (SIGSEGV/SIGABRT in gloo's transport under load
+    # on this 2-core machine) makes every result of this launch suspect, including the errors its
+    # peers then report ("Connection reset by peer"): the launch runs once more.
+    crashed = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0
+               and p.exitcode != -signal.SIGTERM]
     # A rank that exited without reporting anything (no error of its own, e.g. stopped by the
     # failure watch because a peer died): also a crash, not a parity result.
     reported = {r for r in range(world) if any("error" in x for x in out[r])}
     if not reported:
         crashed += [r for r, p in enumerate(procs) if p.exitcode not in (0, None, -signal.SIGTERM) and r not in crashed]
     if crashed and _retry:
-        print(f"dist_harness: rank(s) {crashed} died without a result; running the launch once more", file=sys.stderr)
+        print(f"dist_harness: rank(s) {crashed} crashed (exit codes {[procs[r].exitcode for r in crashed]}); "
+              "running the launch once more", file=sys.stderr)
         return run(world, cases, timeout, _retry=False)
+    codes = [p.exitcode for p in procs]
     for r in range(world):
         done = {x["name"] for x in out[r]}
-        out[r] += [{"name": c["name"], "error": "stopped: another rank failed or the launch timed out"}
+        out[r] += [{"name": c["name"], "error": f"stopped: another rank failed or the launch timed out (exit codes {codes})"}
                    for c in cases if c["name"] not in done]
     return [sorted(out[r], key=lambda x: [c["name"] for c in cases].index(x["name"])) for r in range(world)]

@@ -11,6 +11,7 @@ from autopar.cost_models.comm import Group, collective_time, collective_transfer
 from autopar.cost_models.compute import node_times
 from autopar.cost_models.step import GiB, StageModel, uniform_assignment
 from autopar.errors import AutoparError
+from tests.conftest import profile
 
 HW = load_hardware("h100").with_efficiency(collective=1.0, matmul=0.5, attention=0.5, memory=1.0, fusion=1.0)
 
@@ -191,3 +192,24 @@ def test_eager_tp_and_pipeline_runtime_terms(llama_small):
     assert no_sp == pytest.approx(llama_small.n_layers * b.tp_linears * 1e-3 + 2e-3)
     pp = estimate(eager, Config(pp=2, mb=2, schedule="interleaved", v=2))
     assert pp.breakdown["pp_runtime"] == pytest.approx(4 * 2 * 700e-6)  # M=4 microbatches, v=2 chunks each
+
+
+def test_tied_head_under_pp_is_a_copy_and_an_all_reduce():
+    """GPT-3 ties its head to the embedding. Under PP the last stage holds a copy (its memory
+    grows by the table), the copies' gradients are summed once per step over the two pipeline
+    ends (priced, in the breakdown and the collective list); without PP neither exists."""
+    m = profile("gpt-1.7b")
+    vocab_elems, _ = m.tied_outside
+    assert vocab_elems == 51200 * 2304
+    ctx = CostContext(m, load_hardware("a100"), 64)
+    flat = estimate(ctx, Config(tp=2, pp=1, dp=4, mb=1))
+    assert flat.breakdown["pp_tied_grads"] == 0
+    assert not [c for c in flat.collectives if c["group"] == "pp ends"]
+    cfg = Config(tp=2, pp=4, dp=1, mb=1, schedule="1f1b")
+    e = estimate(ctx, cfg)
+    (ar,) = [c for c in e.collectives if c["group"] == "pp ends"]
+    assert ar["bytes"] == pytest.approx(vocab_elems / 2 * 4) and ar["group_size"] == 2
+    assert e.breakdown["pp_tied_grads"] > 0
+    sm = StageModel(ctx, cfg)
+    assert sm.rank_params(3) - sm.rank_params(2) >= vocab_elems / 2  # the last stage's copy
+    assert sum(e.breakdown.values()) == pytest.approx(e.step_time_s)

@@ -32,6 +32,7 @@ PLANS = {
 PP4 = {
     "pp2_fsdp2": {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "1f1b", "mb": 1},
     "pp2_ddp2": {"pp": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "gpipe", "mb": 1},
+    "pp2_tp2_sp": {"pp": 2, "tp": 2, "sp": 1, "dp": 1, "schedule": "1f1b", "mb": 2},
 }
 PP2 = {
     "pp2_gpipe": {"pp": 2, "schedule": "gpipe", "mb": 2, "dp": 1, "tp": 1},
@@ -51,7 +52,13 @@ CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-
 CI_PLANS = [case("llama-tiny", n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp4_sp"))
             for n, p in PLANS.items()]
 CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")]
-CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"])]
+CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
+    case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"]),
+    # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).
+    case("hf-gpt2", "pp2_fsdp2", PP4["pp2_fsdp2"], clip=True),
+    case("hf-gpt2", "pp2_tp2_sp", PP4["pp2_tp2_sp"], clip=True),
+    case("gpt-tiny", "auto_pp2", "pp=2,tp=1"),  # the planner's own choice for a tied model, PP pinned
+]
 CI_PP2 = [case("llama-tiny-4layers", n, p) for n, p in PP2.items()]
 
 

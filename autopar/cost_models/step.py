@@ -285,9 +285,12 @@ class StageModel:
         ctx, cfg, hw, m = self.ctx, self.cfg, self.ctx.hw, self.ctx.model
         tp, mb = cfg.tp, cfg.mb
         self.outer = {}
+        tied_vocab, tied_rep = m.tied_outside if cfg.pp > 1 else (0, 0)
         for name, prof in (("pre", m.pre), ("post", m.post)):
             ct = self._times(prof.costs, mb, tp, cfg.sp, False)
             p_local = prof.params_vocab / tp + prof.params_rep
+            if name == "post":  # the last stage's copy of a head tied to the embedding
+                p_local += tied_vocab / tp + tied_rep
             ag, rs, busy = self._fsdp_collectives(p_local, True)
             fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
             tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
@@ -305,6 +308,13 @@ class StageModel:
             }
         hid = mb * m.seq_len * m.hidden * ctx.act_bytes / (tp if cfg.sp else 1)
         self.p2p = self.pp_runtime = 0.0
+        # The tied weight's two gradient copies (first and last stage) summed once per step, over
+        # a group of two ranks as far apart as the pipeline's ends (Megatron's embedding group).
+        self.tied_grad_bytes = (tied_vocab / tp + tied_rep) * 4 / (cfg.dp_shard if cfg.fsdp else 1)
+        self.tied_ar = 0.0
+        if self.tied_grad_bytes:
+            g_ends = group_on_mesh([2, cfg.dp_replicate, cfg.dp_shard, cfg.tp], 0, hw.gpus_per_node)
+            self.tied_ar = collective_time(hw, "all_reduce", self.tied_grad_bytes, g_ends)
         if cfg.pp > 1:
             self.p2p = 2 * collective_time(hw, "send_recv", hid, self.g_pp) * cfg.v
             # The schedule's own time per microbatch and stage chunk (forward and backward actions).
@@ -368,7 +378,7 @@ class StageModel:
         else:
             mx = max(rank_times)
             pipe = (M - 1) * mx + sum(rank_times) / cfg.v + (cfg.v - 1) / cfg.v * mx
-        return pipe + self.optimizer_time() + self.dp_exposed()
+        return pipe + self.optimizer_time() + self.dp_exposed() + self.tied_ar
 
     def node_throughput_bound(self, rank_times: list[float]) -> float:
         """When a node's ranks share fewer compute slots than there are ranks (CPU processes on
@@ -407,7 +417,8 @@ class StageModel:
         if r == 0:
             p += m.pre.params_vocab / cfg.tp + m.pre.params_rep
         if r == cfg.pp - 1:
-            p += m.post.params_vocab / cfg.tp + m.post.params_rep
+            tied_vocab, tied_rep = m.tied_outside if cfg.pp > 1 else (0, 0)
+            p += (m.post.params_vocab + tied_vocab) / cfg.tp + m.post.params_rep + tied_rep
         return p
 
     def balanced_layers(self) -> list[int]:
@@ -453,10 +464,11 @@ class StageModel:
         breakdown["pp_p2p"] = self.p2p * self.M
         breakdown["pp_runtime"] = self.pp_runtime * self.M
         crit = self.critical_path(times)
-        breakdown["bubble"] = crit - self.optimizer_time() - self.dp_exposed() - times[b] * self.M
+        breakdown["bubble"] = crit - self.optimizer_time() - self.dp_exposed() - self.tied_ar - times[b] * self.M
         breakdown["shared_cores"] = T - crit
         breakdown["optimizer"] = self.optimizer_time()
         breakdown["dp_comm"] = self.dp_exposed()
+        breakdown["pp_tied_grads"] = self.tied_ar
         tokens = ctx.global_batch * m.seq_len
         tps = tokens / T / cfg.world
         mfu = m.model_flops_per_token() * tokens / (T * cfg.world * ctx.hw.peak_tflops * 1e12)
@@ -502,6 +514,9 @@ class StageModel:
             hid = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes / (cfg.tp if cfg.sp else 1)
             out.append({"kind": "send_recv", "group": "pp", "group_size": cfg.pp, "bytes": hid,
                         "count": 2 * M * cfg.v, "why": "pipeline activations and gradients"})
+            if self.tied_grad_bytes:
+                out.append({"kind": "all_reduce", "group": "pp ends", "group_size": 2, "bytes": self.tied_grad_bytes,
+                            "count": 1, "why": "gradients of the weight tied across the first and last stage"})
         return out
 
 

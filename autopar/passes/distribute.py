@@ -202,7 +202,11 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                                            shape=torch.Size(layout.shapes[i]),
                                            stride=torch.empty(layout.shapes[i], device="meta").stride())
                 vals.append(x)
-            outs = replay(sg.gm, vals + list(primals[P:]), rules, layout.tp_mesh, sp)
+            rest = list(primals[P:])
+            if layout.tp_mesh is not None:  # a stage's received activations: whole on every TP rank
+                rest = [DTensor.from_local(x, layout.tp_mesh, [Replicate()], run_check=False)
+                        if i in wrt_index and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
+            outs = replay(sg.gm, vals + rest, rules, layout.tp_mesh, sp)
             wrt = [primals[i] for i in wrt_index]
             grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
                                         allow_unused=True)

@@ -9,7 +9,10 @@ planned layer boundaries into one graph per pipeline stage, with no change to th
 - any other node runs on the latest stage among its inputs (the final norm, the head), or, when it
   depends on no layer (the embedding), on the earliest stage among its users;
 - a value made on stage ``a`` and used on stage ``c`` crosses every boundary in between: each
-  stage outputs what later stages need, and the token ids travel along.
+  stage outputs what later stages need, and the token ids travel along;
+- a parameter used on several stages (an output head tied to the input embedding) is an input
+  of each of them: every rank holding one of those stages keeps a copy, and ``shared_params``
+  says which stages share it (the runtime sums the copies' gradients, see ``TiedGrads``).
 
 Each stage graph is an ordinary ``StepGraph`` (its parameters, buffers, inputs), so it goes through
 the same distribute/AC passes and backend as a whole model; ``torch.distributed.pipelining``
@@ -71,14 +74,6 @@ def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[Ste
     P, B = sg.n_params, len(sg.buffer_names)
     model_inputs = phs[P + B:]
     stage, free = _stage_of_nodes(sg, layer_stage, n_stages)
-    # Parameters used on more than one stage (tied embeddings) are the pipeline issue's work.
-    for i, ph in enumerate(phs[:P]):
-        used = {stage[u] for u in ph.users if u in stage}
-        if len(used) > 1:
-            raise AutoparError(
-                f"parameter {sg.param_names[i]} is used on pipeline stages {sorted(used)} (tied weights); "
-                "pipelining a model with weights shared across stages is not supported yet: pin pp=1"
-            )
     # boundary[k]: values made on stages <= k and used on stages > k, in graph order.
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     need_after: dict = {}
@@ -134,6 +129,15 @@ def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[Ste
                        final=s == n_stages - 1)
         stages.append(st)
     return stages
+
+
+def shared_params(stages: list[StepGraph]) -> dict[str, list[int]]:
+    """Parameters used on more than one stage -> those stages, in order."""
+    used: dict[str, list[int]] = {}
+    for s, st in enumerate(stages):
+        for name in st.param_names:
+            used.setdefault(name, []).append(s)
+    return {name: ss for name, ss in used.items() if len(ss) > 1}
 
 
 def _placeholder(g: torch.fx.Graph, src: torch.fx.Node, name: str | None = None) -> torch.fx.Node:
