@@ -93,35 +93,56 @@ def run_case(world: int, case: dict) -> dict:
 
 
 def run_checkpoint_case(world: int, case: dict) -> dict:
-    """Save under one plan with torch.distributed.checkpoint, load under another into a model
-    initialised differently: the weights must come back bit for bit (by original name)."""
+    """Train one step under one plan and save the model and the optimizer (AdamW moments) with
+    torch.distributed.checkpoint; load both under another plan into a model initialised
+    differently. The weights must come back bit for bit (by original name) and training must go
+    on along the single-process trajectory (the second step after loading checks the moments)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     import autopar
+    from autopar.capture import default_loss
+    from tests import zoo
 
     ids, tgt = batch(1, B=case.get("batch", 8))
-    src = autopar.compile(build(case["model"]), world, example_inputs=(ids,), plan=case["save_plan"],
+    ref = build(case["model"])
+    src = autopar.compile(copy.deepcopy(ref), world, example_inputs=(ids,), plan=case["save_plan"],
                           global_batch=ids.shape[0])
     opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
     src.step(ids, target=tgt)
-    opt.step()  # trained weights, unlike any fresh initialisation
+    opt.step()  # trained weights and moments, unlike any fresh initialisation
     saved = src.full_state_dict()
-    dcp.save(src.state_dict(), checkpoint_id=case["dir"])
+    dcp.save({"model": src.state_dict(), "optim": get_optimizer_state_dict(src, opt)}, checkpoint_id=case["dir"])
     if dist.get_rank() == 0:
         torch.save(saved, os.path.join(case["dir"], "full_state_dict.pt"))
+    # The single-process trajectory: the same first step, then two more.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for step in range(3):
+        b_ids, b_tgt = batch(1 + step, B=case.get("batch", 8))
+        ref_opt.zero_grad()
+        loss = default_loss(ref(b_ids), b_tgt)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(float(loss.detach()))
     torch.manual_seed(1)
-    from tests import zoo
-
     dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=(ids,), plan=case["load_plan"],
                           global_batch=ids.shape[0])
-    sd = dst.state_dict()
-    dcp.load(sd, checkpoint_id=case["dir"])
-    dst.load_state_dict(sd)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    state = {"model": dst.state_dict(), "optim": get_optimizer_state_dict(dst, dst_opt)}
+    dcp.load(state, checkpoint_id=case["dir"])
+    dst.load_state_dict(state["model"])
+    set_optimizer_state_dict(dst, dst_opt, optim_state_dict=state["optim"])
     got = dst.full_state_dict()
     same = sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
-    loss = float(dst.step(ids, target=tgt))
+    losses = []
+    for step in (1, 2):
+        b_ids, b_tgt = batch(1 + step, B=case.get("batch", 8))
+        dst_opt.zero_grad()
+        losses.append(float(dst.step(b_ids, target=b_tgt)))
+        dst_opt.step()
     return {"name": case["name"], "plans": [src.plan.as_config_string(), dst.plan.as_config_string()],
-            "identical": same, "n": len(saved), "loss_after_load": loss}
+            "identical": same, "n": len(saved), "losses_after_load": losses, "ref_losses": ref_losses[1:]}
 
 
 def _grad_diffs(pm, ref) -> dict:
