@@ -23,7 +23,7 @@ from autopar import analysis, capture, models, search as search_mod
 from autopar.cost_models.hardware import Hardware, load as load_hardware
 from autopar.cost_models.step import AC_MODES, Config, CostContext, Estimate, StageModel, uniform_assignment, validate_config
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.plan import LayerPlan, Plan, ShardRule
+from autopar.plan import LayerPlan, Plan, ShardRule, stage_rank
 
 log = logging.getLogger(__name__)
 DEFAULT_TOKENS_PER_STEP = 1 << 22  # 4M tokens, when the user gives no global batch
@@ -193,7 +193,8 @@ def plan(
     res = search_mod.search(ctx, world, pins=pins, top_k=top_k, progress=progress)
     log.info("planned %s on %d GPUs: capture+analysis %.2fs, search %.2fs (%d configs, %d MILPs)",
              prof.source_name, world, prof.seconds, res.seconds, res.n_configs, res.n_milp)
-    return dataclasses.replace(to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up), notes=prof.notes)
+    return dataclasses.replace(to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up,
+                                       schedules=res.schedules), notes=prof.notes)
 
 
 def plan_candidates(
@@ -232,7 +233,7 @@ def estimate_plan(
     cfg = Config(
         tp=tp, pp=pp, dp=dp, dp_shard=kv.get("dp_shard", dp) if fsdp else 1, sp=kv.get("sp", False),
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
-        schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") == "interleaved" else 1),
+        schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", "interleaved_zb", "zbv") else 1),
     )
     validate_config(ctx, cfg)
     sm = StageModel(ctx, cfg)
@@ -264,10 +265,10 @@ def _summary(ctx: CostContext, e: Estimate) -> dict:
     }
 
 
-def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up=()) -> Plan:
+def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up=(), schedules=()) -> Plan:
     m, cfg, a = ctx.model, e.config, e.assignment
     fqns = [f for _, f in sorted((analysis.fqn_index(f), f) for b in m.blocks for f in b.fqns)]
-    layers = [LayerPlan(f, r, c, ac) for f, (r, c, ac) in zip(fqns, layer_placement(a, cfg.pp, cfg.v))]
+    layers = [LayerPlan(f, r, c, ac) for f, (r, c, ac) in zip(fqns, layer_placement(a, cfg.pp, cfg.v, cfg.schedule))]
     rules = shard_rules(m)
     runners = tuple(
         {"config": r.config.short(), "ac": _ac_text(r), **_summary(ctx, r), "why_lost": why_lost(e, r)}
@@ -282,19 +283,23 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
         runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,
         outer_modules=tuple((mod, seg, m.module_types.get(mod, "")) for mod, seg in m.outside_segments.items()),
+        schedules=tuple({"schedule": s.config.schedule, "v": s.config.v, "step_time_s": s.step_time_s,
+                         "bubble_s": s.breakdown.get("bubble", 0.0), "memory_gb_per_gpu": s.peak_memory_gb}
+                        for s in schedules),
     )
 
 
-def layer_placement(a, pp: int, v: int) -> list[tuple[int, int, str]]:
+def layer_placement(a, pp: int, v: int, schedule: str = "1f1b") -> list[tuple[int, int, str]]:
     """(rank, chunk, ac) of every layer in model order. Rank ``r`` holds ``a.layers[r]`` layers in
     ``v`` chunks; pipeline stage ``s = chunk * pp + rank`` (loop order, as interleaved 1F1B runs
-    them), so model order walks stage 0, 1, ... Within a rank the fully checkpointed layers come
-    first (their activations live longest), then selective, then none."""
+    them; V order for ``zbv``, see ``Plan.stage_rank``), so model order walks stage 0, 1, ...
+    Within a rank the fully checkpointed layers come first (their activations live longest), then
+    selective, then none."""
     chunks = [[n // v + (1 if c < n % v else 0) for c in range(v)] for n in a.layers]
     modes = [["full"] * f + ["selective"] * s + ["none"] * k for (k, s, f) in a.ac]
     out = []
     for stage in range(pp * v):
-        r, c = stage % pp, stage // pp
+        c, r = stage // pp, stage_rank(stage, pp, schedule)
         start = sum(chunks[r][:c])
         out += [(r, c, modes[r][start + j]) for j in range(chunks[r][c])]
     return out
@@ -478,6 +483,9 @@ def _local_shards(model: nn.Module, sg) -> list[torch.Tensor]:
     return [getattr(q, "_local_tensor", q).detach() for q in (model.get_parameter(n) for n in sg.param_names)]
 
 
+ZERO_BUBBLE = ("interleaved_zb", "zbv")  # schedules that run the weight gradients apart
+
+
 def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set, info: dict):
     from autopar import backend
     from autopar.passes import PassContext, collective_record, collectives, run_passes
@@ -493,8 +501,10 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     joint = run_passes(sg.gm, ctx, [("distribute", distribute), ("ac", apply_ac)])
     from autopar.passes.distribute import grad_inputs, output_values
 
-    compiled = backend.build(joint, len(output_values(sg)), inductor=inductor and "inductor" not in disabled)
     grad_index = grad_inputs(sg, ctx.step.example)
+    split = sum(i < len(params) for i in grad_index) if p.pp > 1 and p.schedule in ZERO_BUBBLE else None
+    compiled = backend.build(joint, len(output_values(sg)), inductor=inductor and "inductor" not in disabled,
+                             split_weight=split)
     n_args = len(params) + len(buffers) + len(info["inputs"])
     # Backward nodes carry no annotation of their own: name them by the mesh dim of their group.
     dims = {}
@@ -531,7 +541,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     stages = pp_mod.split(sg, pp_mod.layer_stages(sg, p), n_stages)
     shared = pp_mod.shared_params(stages)
     rank = mesh.get_local_rank("pp")
-    mine = [s for s in range(n_stages) if s % p.pp == rank]
+    mine = [s for s in range(n_stages) if p.stage_rank(s) == rank]
     keep = {n for s in mine for n in stages[s].param_names}
     for pname in sg.param_names:
         if pname not in keep:
@@ -586,7 +596,7 @@ def _tied_groups(shared: dict, p: Plan, mesh, rank: int) -> list[tuple[str, Any,
     lines = mesh.mesh.reshape(p.pp, -1)
     me = dist.get_rank()
     for pname, ss in sorted(shared.items()):
-        holders = sorted({s % p.pp for s in ss})
+        holders = sorted({p.stage_rank(s) for s in ss})
         if len(holders) < 2:
             continue  # one rank holds every stage that uses it: its gradient accumulates in place
         key = tuple(holders)

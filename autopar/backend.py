@@ -30,10 +30,67 @@ class CompiledStep:
     n_outputs: int
     compile_s: float = 0.0
     bw_strides: list = None  # the strides the backward graph's inputs were traced with
+    # Zero-bubble schedules: the backward split into input and weight gradients (split_backward).
+    bw_input: Callable | None = None
+    bw_weight: Callable | None = None
+    n_input_grads: int = 0
+    bw_weight_strides: list = None
 
 
 def partition(joint: torch.fx.GraphModule, n_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     return min_cut_rematerialization_partition(joint, None, num_fwd_outputs=n_outputs)
+
+
+def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+    """Split the backward graph for zero-bubble pipeline schedules into the input-gradient part
+    ``I: (*saved, *tangents) -> (*input grads, *carried)`` and the weight-gradient part
+    ``W: (*carried) -> (*weight grads)``. The backward's outputs are the weight gradients (the
+    first ``n_weight``) then the input gradients. ``I`` holds every node an input gradient
+    depends on; ``W`` the rest; ``carried`` are the values of ``I`` (saved tensors, tangents or
+    intermediates) that ``W`` reads. Returns (I, W, number of input gradients)."""
+    g = bw.graph
+    (out,) = g.find_nodes(op="output")
+    outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    w_outs, i_outs = outs[:n_weight], outs[n_weight:]
+
+    def ancestors(roots) -> set:
+        seen, stack = set(), [r for r in roots if isinstance(r, torch.fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack += n.all_input_nodes
+        return seen
+
+    in_i = ancestors(i_outs)
+    in_w = ancestors(w_outs) - in_i
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    stray = [n for n in g.nodes if n.op not in ("placeholder", "output") and n not in in_i and n not in in_w]
+    if stray:
+        raise RuntimeError(f"backward nodes outside both gradient parts: {[n.name for n in stray[:5]]}")
+    carried = [n for n in g.nodes if n in in_i and (any(u in in_w for u in n.users) or n in w_outs)]
+    carried += [n for n in placeholders if n not in in_i and any(u in in_w for u in n.users)]
+
+    gi, env = torch.fx.Graph(), {}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = gi.node_copy(n)
+        elif n in in_i:
+            env[n] = gi.node_copy(n, lambda a: env[a])
+    gi.output([env[x] if isinstance(x, torch.fx.Node) else x for x in i_outs] + [env[c] for c in carried])
+    gw, envw = torch.fx.Graph(), {}
+    for c in carried:
+        ph = gw.placeholder(f"carried_{c.name}")
+        ph.meta = dict(c.meta)
+        envw[c] = ph
+    for n in g.nodes:
+        if n in in_w and n.op != "placeholder":  # W's placeholders are the carried values
+            envw[n] = gw.node_copy(n, lambda a: envw[a])
+    gw.output([envw[x] if isinstance(x, torch.fx.Node) else x for x in w_outs])
+    gi.lint()
+    gw.lint()
+    return torch.fx.GraphModule(bw, gi), torch.fx.GraphModule(bw, gw), len(i_outs)
 
 
 def _example(gm: torch.fx.GraphModule) -> list:
@@ -56,7 +113,7 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     return art
 
 
-def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool) -> CompiledStep:
+def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None) -> CompiledStep:
     """Partition and compile. With several processes, rank 0 compiles first and the others
     after it: ranks with the same graph (TP and data-parallel ranks have the same one) then load
     Inductor's cached code instead of compiling it again on the same cores."""
@@ -68,7 +125,14 @@ def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool) -> Compil
     if ordered and dist.get_rank() != 0:
         dist.barrier()
     try:
-        step = CompiledStep(compile_graph(fw, inductor), compile_graph(bw, inductor), fw, bw, n_outputs)
+        if split_weight is None:
+            step = CompiledStep(compile_graph(fw, inductor), compile_graph(bw, inductor), fw, bw, n_outputs)
+        else:  # the backward runs as its two parts only
+            step = CompiledStep(compile_graph(fw, inductor), None, fw, bw, n_outputs)
+            bw_i, bw_w, step.n_input_grads = split_backward(bw, split_weight)
+            step.bw_input, step.bw_weight = compile_graph(bw_i, inductor), compile_graph(bw_w, inductor)
+            step.bw_weight_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None
+                                      for v in _example(bw_w)]
     finally:
         if ordered and dist.get_rank() == 0:
             dist.barrier()

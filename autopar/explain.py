@@ -130,6 +130,17 @@ def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
         t.add_row(c["kind"], c["group"], str(c["group_size"]), _bytes(c["bytes"]), f"{c['count']:,}", c["why"])
     con.print(t)
 
+    if len(p.schedules) > 1:
+        t = Table(title=f"pipeline schedules on this mesh (pp={p.pp}, {p.n_microbatches} microbatches of {p.mb})")
+        for c in ("schedule", "v", "s/step", "bubble s", "GiB/GPU", "vs chosen"):
+            t.add_column(c)
+        for r in p.schedules:
+            chosen = r["schedule"] == p.schedule and r["v"] == p.v
+            t.add_row(r["schedule"], str(r["v"]), f"{r['step_time_s']:.3f}", f"{r['bubble_s']:.3f}",
+                      f"{r['memory_gb_per_gpu']:.1f}",
+                      "chosen" if chosen else f"{(r['step_time_s'] / p.predicted['step_time_s'] - 1) * 100:+.1f}%")
+        con.print(t)
+
     runners = p.runners_up[:top] if top is not None else p.runners_up
     if runners:
         t = Table(title="runners-up (best plan of each other shape)")

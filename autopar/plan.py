@@ -18,6 +18,13 @@ PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank that runs pipeline stage ``stage`` (model order): looped, or V-shaped
+    for ``zbv`` (odd chunks run on the ranks in reverse)."""
+    chunk, r = divmod(stage, pp)
+    return pp - 1 - r if schedule == "zbv" and chunk % 2 else r
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     fqn: str
@@ -79,6 +86,8 @@ class Plan:
     tp_notes: tuple = ()
     # Choices made for the user that they should know about (e.g. a default sequence length).
     notes: tuple = ()
+    # Under PP: each pipeline schedule's best prediction on this mesh (schedule, v, s/step, bubble).
+    schedules: tuple = ()
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------
@@ -89,6 +98,18 @@ class Plan:
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         return MESH_DIMS
+
+    def stage_index(self, rank: int, chunk: int) -> int:
+        """The pipeline stage (model order) that pipeline rank ``rank`` runs as its ``chunk``-th
+        virtual stage: looped (``chunk * pp + rank``), or V-shaped for ``zbv`` (rank r holds
+        stages r and 2 pp - 1 - r, so the first and last stage share rank 0)."""
+        if self.schedule == "zbv" and chunk % 2:
+            return (chunk + 1) * self.pp - 1 - rank
+        return chunk * self.pp + rank
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage``."""
+        return stage_rank(stage, self.pp, self.schedule)
 
     def ac_summary(self) -> str:
         modes = [l.ac for l in self.layers]
@@ -133,6 +154,7 @@ class Plan:
             d["placements"] = tuple(tuple(x) for x in d.get("placements", ()))
             d["tp_notes"] = tuple(d.get("tp_notes", ()))
             d["notes"] = tuple(d.get("notes", ()))
+            d["schedules"] = tuple(d.get("schedules", ()))
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise AutoparError(f"plan JSON is missing or has unknown fields: {e}") from e

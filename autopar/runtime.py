@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Callable
 
 import torch
@@ -211,13 +212,17 @@ class _RunGraphs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: "StepRunner", *args):
         local = [a._local_tensor if hasattr(a, "_local_tensor") else a for a in args]
+        t0 = time.perf_counter()
         outs = runner.compiled.fw(*local)
+        runner.busy_s += time.perf_counter() - t0
         n = runner.compiled.n_outputs
         ctx.runner = runner
         ctx.saved = [o for o in outs[n:] if isinstance(o, torch.Tensor)]
         ctx.metas = [(a.device_mesh, a.placements, a.shape, a.stride()) if hasattr(a, "_local_tensor") else None
                      for a in args]
         result = tuple(outs[:n])
+        if runner.compiled.bw_weight is not None:
+            ctx.params = args[:runner.n_params]  # the weight-gradient part accumulates into them
         ctx.out_meta = [(o.shape, o.dtype) for o in result]
         ctx.mark_non_differentiable(*[o for o in result if not o.is_floating_point()])
         return result
@@ -228,18 +233,58 @@ class _RunGraphs(torch.autograd.Function):
         saved, ctx.saved = ctx.saved, None
         tangents = [g if g is not None else torch.zeros(shape, dtype=dtype)
                     for g, (shape, dtype) in zip(grads, ctx.out_meta) if dtype.is_floating_point]
-        out = runner.compiled.bw(*_as_expected(saved + tangents, runner.compiled.bw_strides))
-        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        c = runner.compiled
         result: list = [None] * (1 + runner.n_args)
-        from torch.distributed.tensor import DTensor
-
+        t0 = time.perf_counter()
+        if c.bw_weight is not None:
+            # Zero-bubble: input gradients now; the weight gradients when the schedule says (W).
+            out = list(c.bw_input(*_as_expected(saved + tangents, c.bw_strides)))
+            runner.busy_s += time.perf_counter() - t0
+            k = c.n_input_grads
+            n_w = len(runner.grad_index) - k
+            for i, g in zip(runner.grad_index[n_w:], out[:k]):
+                result[1 + i] = g
+            runner.pending.append(_WeightGrads(runner, ctx.params, ctx.metas, out[k:]))
+            return tuple(result)
+        out = c.bw(*_as_expected(saved + tangents, c.bw_strides))
+        runner.busy_s += time.perf_counter() - t0
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
         for i, g in zip(runner.grad_index, out):
-            meta = ctx.metas[i]
-            if meta is not None and g is not None:
-                mesh, placements, shape, stride = meta
-                g = DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
-            result[1 + i] = g
+            result[1 + i] = _placed(g, ctx.metas[i])
         return tuple(result)
+
+
+def _placed(g, meta):
+    """A local gradient as a DTensor placed like its parameter (``meta``), or as is."""
+    if meta is None or g is None:
+        return g
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = meta
+    return DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _WeightGrads:
+    """One microbatch's deferred weight-gradient part (zero-bubble schedules' W action):
+    runs the compiled W graph on what the input-gradient part carried and accumulates the
+    gradients into the parameters, as autograd would have."""
+
+    def __init__(self, runner: "StepRunner", params, metas, carried):
+        self.runner, self.params, self.metas, self.carried = runner, params, metas, carried
+
+    def __call__(self) -> None:
+        c = self.runner.compiled
+        t0 = time.perf_counter()
+        out = c.bw_weight(*_as_expected(self.carried, c.bw_weight_strides))
+        self.runner.busy_s += time.perf_counter() - t0
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        self.carried = None
+        for i, g in zip(self.runner.grad_index, out):
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = _placed(g.clone(memory_format=torch.contiguous_format), self.metas[i])
+            else:
+                getattr(p.grad, "_local_tensor", p.grad).add_(g)
 
 
 def _as_expected(values: list, strides: list) -> list:
@@ -260,6 +305,12 @@ class StepRunner:
     def __init__(self, compiled, n_params: int, n_args: int, grad_index: list[int], input_shapes: list):
         self.compiled, self.n_params, self.n_args = compiled, n_params, n_args
         self.grad_index, self.input_shapes = grad_index, input_shapes
+        self.pending: list[_WeightGrads] = []  # zero-bubble: weight gradients not yet run
+        self.busy_s = 0.0  # time inside the compiled graphs (the bench's measured bubble)
+
+    def take_weight_grads(self) -> "_WeightGrads":
+        """The pipeline schedule's ``dw_builder``: the W part of the backward just run."""
+        return self.pending.pop()
 
     def __call__(self, params: list, buffers: list, inputs: list):
         return _RunGraphs.apply(self, *params, *buffers, *inputs)
@@ -420,10 +471,11 @@ class ParallelModule(nn.Module):
     def _schedule(self, M: int):
         """The pipelining schedule for M microbatches (built once per M)."""
         if M not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+            from torch.distributed import pipelining as pl
 
             plan = self.plan
-            if M < plan.pp or (plan.schedule == "interleaved" and M % plan.pp):
+            zero_bubble = plan.schedule in ("interleaved_zb", "zbv")
+            if M < plan.pp or (plan.schedule in ("interleaved", "interleaved_zb") and M % plan.pp):
                 raise AutoparError(f"{M} microbatches do not fit the {plan.schedule} schedule over {plan.pp} stages; "
                                    f"use a global batch of a multiple of {plan.pp * plan.mb * plan.dp} sequences")
             group = self.mesh["pp"].get_group()
@@ -434,17 +486,19 @@ class ParallelModule(nn.Module):
                             for shape, dt in mod.input_meta)
                 outs = tuple(torch.zeros(shape, dtype=dt, requires_grad=dt.is_floating_point)
                              for shape, dt in mod.output_meta)
-                stages.append(PipelineStage(mod, idx, plan.pp * plan.v, torch.device(self.mesh.device_type),
-                                            input_args=ins, output_args=outs if len(outs) > 1 else outs[0],
-                                            group=group))
+                stages.append(pl.PipelineStage(mod, idx, plan.pp * plan.v, torch.device(self.mesh.device_type),
+                                               input_args=ins, output_args=outs if len(outs) > 1 else outs[0],
+                                               group=group, dw_builder=runner.take_weight_grads if zero_bubble else None))
 
             def loss_fn(out, tgt):  # each microbatch's loss scaled by 1/M: the mean's gradient
                 return self.loss_fn(out, tgt) / M
 
-            if plan.schedule == "interleaved":
-                sched = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+            multi = {"interleaved": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
+                     "zbv": pl.ScheduleZBVZeroBubble}
+            if plan.schedule in multi:
+                sched = multi[plan.schedule](stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
             else:
-                cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
+                cls = pl.ScheduleGPipe if plan.schedule == "gpipe" else pl.Schedule1F1B
                 sched = cls(stages[0], n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
             self._schedules[M] = sched
         return self._schedules[M]

@@ -71,6 +71,8 @@ class SearchResult:
     n_milp: int
     seconds: float
     stats: dict = field(default_factory=dict)
+    # The best plan of each pipeline schedule on the winner's mesh and microbatching, fastest first.
+    schedules: list[Estimate] = field(default_factory=list)
 
 
 def parse_pins(text: str | dict | None) -> dict:
@@ -95,7 +97,9 @@ def parse_pins(text: str | dict | None) -> dict:
                 raise AutoparError(f"ac={v!r}: choose one of {', '.join(AC_MODES)}")
             out[k] = v
         elif k == "schedule":
-            v = {"interleaved1f1b": "interleaved", "interleaved_1f1b": "interleaved"}.get(v.lower(), v.lower())
+            v = {"interleaved1f1b": "interleaved", "interleaved_1f1b": "interleaved", "zb": "interleaved_zb",
+                 "zero_bubble": "interleaved_zb", "interleavedzerobubble": "interleaved_zb",
+                 "zbvzerobubble": "zbv"}.get(v.lower(), v.lower())
             if v not in SCHEDULES:
                 raise AutoparError(f"schedule={v!r}: choose one of {', '.join(SCHEDULES)}")
             out[k] = v
@@ -152,8 +156,9 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                 if pp > 1 and M < pp:
                     continue
                 scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + [
-                    ("interleaved", v) for v in (2, 4, 8) if pp * v <= m.n_layers and M % pp == 0
-                ]
+                    (s, v) for s in ("interleaved", "interleaved_zb") for v in (2, 4, 8)
+                    if pp * v <= m.n_layers and M % pp == 0
+                ] + ([("zbv", 2)] if pp * 2 <= m.n_layers else [])
                 for sched, v in scheds:
                     if "schedule" in pins and pp > 1 and sched != pins["schedule"]:
                         continue
@@ -229,7 +234,7 @@ def _bounds(sm: StageModel, pins: dict, limit: float) -> tuple[float, float, Ass
     cfg = sm.cfg
     allowed = _allowed(pins)
     layers = sm.balanced_layers()
-    if cfg.schedule == "interleaved" and any(n < cfg.v for n in layers):
+    if cfg.v > 1 and any(n < cfg.v for n in layers):
         return math.inf, math.inf, None
     times, acs = [], []
     feasible = True
@@ -388,8 +393,29 @@ def search(
     best = results[0]
     return SearchResult(
         best=best, runners_up=results[1:top_k + 1], n_configs=len(configs), n_feasible=len(feasible),
-        n_milp=n_milp, seconds=time.perf_counter() - t_start,
+        n_milp=n_milp, seconds=time.perf_counter() - t_start, schedules=_schedules_of(ranked[0], feasible),
     )
+
+
+def _schedules_of(winner: "Candidate", feasible: list) -> list[Estimate]:
+    """Under PP: the best candidate of each (schedule, v) with the winner's mesh, SP, FSDP and
+    microbatching, so ``explain`` can say why the chosen schedule won."""
+    w = winner.sm.cfg
+    if w.pp == 1:
+        return []
+
+    def mesh(cfg):
+        return cfg.tp, cfg.pp, cfg.dp, cfg.dp_shard, cfg.fsdp, cfg.reshard, cfg.sp, cfg.mb
+
+    best: dict[tuple, Candidate] = {}
+    for c in feasible:
+        cfg = c.sm.cfg
+        if mesh(cfg) == mesh(w):
+            k = (cfg.schedule, cfg.v)
+            if k not in best or c.upper < best[k].upper:
+                best[k] = c
+    ranked = sorted(best.values(), key=lambda c: (c.upper, c.sm.cfg.key()))
+    return [c.solved or c.sm.evaluate(c.upper_assignment) for c in ranked]
 
 
 def _infeasible(ctx: CostContext, world: int, closest, pins: dict) -> InfeasibleError:

@@ -39,6 +39,9 @@ PP2 = {
     "pp2_1f1b": {"pp": 2, "schedule": "1f1b", "mb": 2, "dp": 1, "tp": 1},
     "pp2_interleaved_v2": {"pp": 2, "schedule": "interleaved", "v": 2, "mb": 2, "dp": 1, "tp": 1},
     "pp2_ac_selective": {"pp": 2, "schedule": "1f1b", "mb": 2, "dp": 1, "tp": 1, "ac": "selective"},
+    # Zero-bubble: the backward split into input- and weight-gradient graphs, W run when the schedule says.
+    "pp2_interleaved_zb": {"pp": 2, "schedule": "interleaved_zb", "v": 2, "mb": 2, "dp": 1, "tp": 1},
+    "pp2_zbv": {"pp": 2, "schedule": "zbv", "v": 2, "mb": 2, "dp": 1, "tp": 1},
 }
 
 

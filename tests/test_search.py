@@ -126,6 +126,13 @@ def test_sensible_choices(llama8b):
     big = profile("llama3-405b")
     c = search.search(CostContext(big, h100, 2048), 16384).best.config
     assert c.tp == 8 and c.pp > 1
-    # Interleaving when the bubble is large: few microbatches per pipeline.
-    c = search.search(CostContext(big, h100, 2048), 16384, pins={"pp": 16}).best.config
+    # When the bubble is large (few microbatches per pipeline): a zero-bubble schedule, which fills
+    # it with the deferred weight gradients; among the 1F1B family, interleaving.
+    res = search.search(CostContext(big, h100, 2048), 16384, pins={"pp": 16})
+    assert res.best.config.schedule in ("interleaved_zb", "zbv") and res.best.config.v > 1
+    assert [e.config.schedule for e in res.schedules][0] == res.best.config.schedule
+    assert {e.config.schedule for e in res.schedules} >= {"1f1b", "interleaved", "interleaved_zb", "zbv"}
+    by = {e.config.schedule: e for e in res.schedules}
+    assert by["zbv"].breakdown["bubble"] < by["interleaved"].breakdown["bubble"] < by["1f1b"].breakdown["bubble"]
+    c = search.search(CostContext(big, h100, 2048), 16384, pins={"pp": 16, "schedule": "interleaved"}).best.config
     assert c.schedule == "interleaved" and c.v > 1

@@ -49,7 +49,7 @@ from autopar.cost_models.hardware import Hardware
 from autopar.errors import AutoparError
 
 AC_MODES = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv")
 GiB = float(1 << 30)
 
 
@@ -330,6 +330,8 @@ class StageModel:
             return float(M)
         if cfg.schedule == "1f1b" or cfg.v == 1:
             return float(min(M, cfg.pp - r))
+        # interleaved, interleaved_zb and zbv: the warm-up of the interleaved schedule (zero-bubble
+        # schedules keep the activations a deferred weight gradient reads until W runs).
         chunks = min(M * cfg.v, (cfg.v - 1) * cfg.pp + 2 * (cfg.pp - 1 - r) + 1)
         return chunks / cfg.v
 
@@ -377,8 +379,25 @@ class StageModel:
             pipe = M * rank_times[0]
         else:
             mx = max(rank_times)
-            pipe = (M - 1) * mx + sum(rank_times) / cfg.v + (cfg.v - 1) / cfg.v * mx
+            bubble = sum(rank_times) / cfg.v + (cfg.v - 1) / cfg.v * mx - mx
+            pipe = M * mx + bubble * self.zero_bubble_factor()
         return pipe + self.optimizer_time() + self.dp_exposed() + self.tied_ar
+
+    def zero_bubble_factor(self) -> float:
+        """The share of the 1F1B-style bubble left when the schedule runs the weight gradients (W)
+        apart from the input gradients (B) and fills the bubble with them (Qi et al. 2023):
+        ``(F + B - W) / (F + B + W)`` for interleaved zero bubble (ZB-H1 per chunk) and
+        ``max(0, F + B - 2W) / (F + B + W)`` for the V schedule (ZB-H2-like at 1F1B memory), with
+        W a third of the layer's compute (the weight-gradient matmuls of its linears: forward,
+        input-gradient and weight-gradient matmuls cost the same) and the rest (communication,
+        runtime) not movable. 1 for other schedules."""
+        sched = self.cfg.schedule
+        if sched not in ("interleaved_zb", "zbv"):
+            return 1.0
+        parts = self.coeffs.parts["none"]
+        total = sum(parts.values())
+        w = parts.get("compute", 0.0) / 3 / total if total > 0 else 0.0
+        return (1 - 2 * w) if sched == "interleaved_zb" else max(0.0, 1 - 3 * w)
 
     def node_throughput_bound(self, rank_times: list[float]) -> float:
         """When a node's ranks share fewer compute slots than there are ranks (CPU processes on
@@ -588,8 +607,10 @@ def validate_config(ctx: CostContext, cfg: Config) -> None:
     M = local // cfg.mb
     if cfg.pp > 1 and M < cfg.pp:
         raise AutoparError(f"{M} microbatches cannot fill {cfg.pp} pipeline stages; use a smaller mb or pp")
-    if cfg.schedule == "interleaved" and cfg.pp > 1 and (cfg.v < 2 or M % cfg.pp):
-        raise AutoparError(f"interleaved 1F1B needs v >= 2 and microbatches ({M}) divisible by pp ({cfg.pp})")
+    if cfg.schedule in ("interleaved", "interleaved_zb") and cfg.pp > 1 and (cfg.v < 2 or M % cfg.pp):
+        raise AutoparError(f"{cfg.schedule} needs v >= 2 and microbatches ({M}) divisible by pp ({cfg.pp})")
+    if cfg.schedule == "zbv" and cfg.pp > 1 and cfg.v != 2:
+        raise AutoparError("the zbv schedule runs exactly two stages per rank (V-shaped): v=2")
     if cfg.pp * cfg.v > m.n_layers:
         raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the {m.n_layers} layers of {m.name}")
     if cfg.sp and cfg.tp == 1:

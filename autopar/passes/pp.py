@@ -148,7 +148,7 @@ def _placeholder(g: torch.fx.Graph, src: torch.fx.Node, name: str | None = None)
 
 def layer_stages(sg: StepGraph, plan) -> dict[int, int]:
     """Layer index (in the traced graph) -> pipeline stage, from the plan."""
-    by_fqn = {l.fqn: l.chunk * plan.pp + l.stage for l in plan.layers}
+    by_fqn = {l.fqn: plan.stage_index(l.stage, l.chunk) for l in plan.layers}
     missing = [f for f in sg.layers if f not in by_fqn]
     if missing or len(sg.layers) != len(plan.layers):
         raise AutoparError(

@@ -1,0 +1,112 @@
+"""Pipeline schedules, measured beside the cost model: every schedule autopar runs (GPipe, 1F1B,
+interleaved 1F1B, interleaved zero-bubble, ZBV zero-bubble) on the same model, mesh and
+microbatching, over gloo processes with the default options (Inductor on).
+
+Per schedule: the measured step time (median of the timed steps) against the predicted one for
+the ``cpu-gloo`` profile, and the bubble: measured as ``1 - busy / step`` on each pipeline rank,
+where ``busy`` is the time spent inside the compiled stage graphs (forward, backward, and the
+deferred weight-gradient graphs of the zero-bubble schedules), against the predicted
+``bubble / step``. On CPU a graph call is synchronous, so ``busy`` is compute; the remaining time
+is waiting for the neighbour stage, send/recv and the schedule's own Python.
+
+``python -m bench.pipeline_schedules [--steps N]`` writes bench/results/pipeline_schedules.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.common import write
+
+MODEL, SEQ, MB, M = "llama-small", 128, 1, 8
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)]
+
+
+def _worker(rank: int, world: int, port: int, steps: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    from autopar import models
+
+    g = torch.Generator().manual_seed(0)
+    batch = M * MB  # dp = 1: the whole batch goes through the pipeline
+    ids = torch.randint(0, 1024, (batch, SEQ), generator=g)
+    tgt = torch.randint(0, 1024, (batch, SEQ), generator=g)
+    out = []
+    for sched, v in SCHEDULES:
+        torch.manual_seed(0)
+        model = models.build_preset(MODEL, seq_len=SEQ)
+        pm = autopar.compile(model, world, example_inputs=(ids,), global_batch=batch, hardware="cpu",
+                             plan={"pp": world, "dp": 1, "tp": 1, "mb": MB, "schedule": sched, "v": v, "ac": "none"})
+        opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
+        runners = [r for _, r in pm._stages.values()]
+        times, busy = [], []
+        for i in range(steps + 2):  # two warm-up steps (Inductor compiles in the first)
+            dist.barrier()
+            for r in runners:
+                r.busy_s = 0.0
+            t0 = time.perf_counter()
+            pm.step(ids, target=tgt).item()
+            dt = time.perf_counter() - t0
+            opt.step()
+            opt.zero_grad()
+            if i >= 2:
+                times.append(dt)
+                busy.append(sum(r.busy_s for r in runners))
+        step = statistics.median(times)
+        out.append({"schedule": sched, "v": v, "measured_s": step, "busy_s": statistics.median(busy),
+                    "predicted_s": pm.plan.predicted["step_time_s"],
+                    "predicted_bubble_s": pm.plan.predicted["breakdown"].get("bubble", 0.0)})
+    q.put((rank, out))
+    autopar.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--world", type=int, default=2)
+    args = ap.parse_args()
+    from tests.dist_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args.steps, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    per_rank = dict(q.get(timeout=3000) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    rows = []
+    for i, (sched, v) in enumerate(SCHEDULES):
+        rs = [per_rank[r][i] for r in range(args.world)]
+        step = max(x["measured_s"] for x in rs)
+        bubbles = [1 - x["busy_s"] / step for x in rs]
+        pred = rs[0]
+        rows.append({
+            "schedule": sched, "v": v, "measured_s": step, "predicted_s": pred["predicted_s"],
+            "measured/predicted": step / pred["predicted_s"],
+            "bubble_measured": statistics.mean(bubbles),
+            "bubble_predicted": pred["predicted_bubble_s"] / pred["predicted_s"],
+        })
+        print(rows[-1], flush=True)
+    fastest = min(rows, key=lambda r: r["measured_s"])["schedule"]
+    predicted_fastest = min(rows, key=lambda r: r["predicted_s"])["schedule"]
+    summary = {"model": MODEL, "processes": args.world, "pp": args.world, "microbatches": M, "mb": MB, "seq": SEQ,
+               "steps timed": args.steps, "measured fastest": fastest, "predicted fastest": predicted_fastest}
+    write("pipeline_schedules", rows, summary,
+          ["schedule", "v", "measured_s", "predicted_s", "measured/predicted", "bubble_measured", "bubble_predicted"],
+          "Pipeline schedules: measured vs predicted (gloo, Inductor on)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
