@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--top", type=int, default=3, help="runners-up to show")
     ex.add_argument("-o", "--output", default=None, help="save the plan JSON here")
     ex.add_argument("--graph", action="store_true", help="also print the first layer's rewritten graph with provenance")
+    ex.add_argument("--checkpoint", default=None,
+                    help="a checkpoint directory written by pm.save_checkpoint: show how the new plan differs "
+                         "from the one it was saved under")
 
     es = sub.add_parser("estimate", help="price a plan you give (a hand-written configuration)")
     _common(es)
@@ -139,13 +142,36 @@ def _run(args) -> int:
 
         src = models.resolve(args.model, seq_len=args.seq_len)
         print(inspect_graph.rewritten_graph(src.build, p), end="")
+    old = _checkpoint_plan(args.checkpoint) if getattr(args, "checkpoint", None) else None
     if args.json:
-        print(json.dumps(explain.plan_json(p), indent=1))
+        out = explain.plan_json(p)
+        if old is not None:
+            out["checkpoint"] = {"path": args.checkpoint, "saved_under": old.as_config_string(),
+                                 "saved_world_size": old.world_size, "changes": old.diff(p)}
+        print(json.dumps(out, indent=1))
     else:
         print(explain.render(p, top=getattr(args, "top", None)), end="")
+        if old is not None:
+            print(explain.render_checkpoint_change(args.checkpoint, old, p), end="")
         if args.output:
             print(f"plan saved to {args.output}")
     return 0
+
+
+def _checkpoint_plan(path: str):
+    import os
+
+    from autopar.errors import AutoparError
+    from autopar.plan import Plan
+    from autopar.runtime import ParallelModule
+
+    plan_file = os.path.join(path, ParallelModule.PLAN_FILE)
+    if not os.path.isdir(path):
+        raise AutoparError(f"--checkpoint {path}: no such directory")
+    if not os.path.exists(plan_file):
+        raise AutoparError(f"--checkpoint {path}: no {ParallelModule.PLAN_FILE} there; checkpoints written with "
+                           "pm.save_checkpoint(dir, optimizer) keep their plan beside the weights")
+    return Plan.load(plan_file)
 
 
 if __name__ == "__main__":

@@ -195,3 +195,19 @@ def render_executed(info: dict, *, width: int = 110) -> str:
     if info.get("timings"):
         con.print("pass times: " + ", ".join(f"{k} {v:.2f}s" for k, v in info["timings"].items()))
     return buf.getvalue()
+
+
+def render_checkpoint_change(path: str, old: Plan, new: Plan) -> str:
+    """How a new plan differs from the one a checkpoint was saved under, and how to load it."""
+    lines = [f"checkpoint {path}: saved under {old.as_config_string()} on {old.world_size} GPUs",
+             f"this plan:  {new.as_config_string()} on {new.world_size} GPUs"]
+    if old.model_fingerprint != new.model_fingerprint:
+        lines.append(f"note: the checkpoint's model ({old.model_name}) traces differently from {new.model_name}; "
+                     "loading fails on any parameter whose name or shape differs")
+    changes = [c for c in old.diff(new) if not c.startswith(("placements", "tp_notes", "schedules", "notes"))]
+    lines += ["changes:"] + [f"  {c}" for c in changes[:40]]
+    if len(changes) > 40:
+        lines.append(f"  ... {len(changes) - 40} more")
+    lines.append("load it under this plan with pm.load_checkpoint(path, optimizer): each rank reads the pieces "
+                 "its shards need (torch.distributed.checkpoint resharding)")
+    return "\n".join(lines) + "\n"

@@ -172,6 +172,13 @@ class FailureWatch:
         return False
 
 
+def _flat_keys(state: dict) -> list[str]:
+    """The keys ``torch.distributed.checkpoint`` stores a nested state dict under."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return list(flatten_state_dict(state)[0])
+
+
 def shutdown() -> None:
     """End a run cleanly on every rank: stop the failure watch, wait for every rank, destroy the
     process group (a plain ``destroy_process_group`` also works; this one leaves no rank's
@@ -515,6 +522,51 @@ class ParallelModule(nn.Module):
             dist.all_reduce(getattr(g, "_local_tensor", g), group=group)
         loss = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros((), device=ids.device)
         return funcol.all_reduce(loss, "sum", self.mesh["pp"].get_group())  # only the last stage contributes
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    PLAN_FILE = "autopar_plan.json"
+
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save the weights (and the optimizer's state) with ``torch.distributed.checkpoint``
+        under the original parameter names, and the plan beside them (``autopar_plan.json``, what
+        ``autopar explain --checkpoint`` compares a new plan with). A collective: every rank."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._checkpoint_state(optimizer), checkpoint_id=path)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self.plan.save(os.path.join(path, self.PLAN_FILE))
+
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None):
+        """Load a checkpoint written by ``save_checkpoint`` (or by ``dcp.save`` of
+        ``{"model": pm.state_dict(), "optim": get_optimizer_state_dict(pm, opt)}``) under any
+        plan and GPU count: each rank reads the pieces its shards need. Returns the plan it was
+        saved under (None when the checkpoint has none). A collective: every rank."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if not os.path.isdir(path):
+            raise AutoparError(f"no checkpoint at {path}: give the directory save_checkpoint wrote")
+        state = self._checkpoint_state(optimizer)
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        missing = [k for k in _flat_keys(state) if k not in meta]
+        if missing:
+            what = "the optimizer's state" if all(k.startswith("optim.") for k in missing) else "these weights"
+            raise AutoparError(f"the checkpoint at {path} lacks {what} ({len(missing)} entries, e.g. {missing[0]}); "
+                               "it was saved from another model, or without the optimizer")
+        dcp.load(state, checkpoint_id=path)
+        self.load_state_dict(state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(self, optimizer, optim_state_dict=state["optim"])
+        plan_file = os.path.join(path, self.PLAN_FILE)
+        return Plan.load(plan_file) if os.path.exists(plan_file) else None
+
+    def _checkpoint_state(self, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = {"model": self.state_dict()}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(self, optimizer)
+        return state
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

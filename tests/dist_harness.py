@@ -93,28 +93,32 @@ def run_case(world: int, case: dict) -> dict:
 
 
 def run_checkpoint_case(world: int, case: dict) -> dict:
-    """Train one step under one plan and save the model and the optimizer (AdamW moments) with
-    torch.distributed.checkpoint; load both under another plan into a model initialised
-    differently. The weights must come back bit for bit (by original name) and training must go
-    on along the single-process trajectory (the second step after loading checks the moments)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
+    """Train one step under one plan and save the model and the optimizer (AdamW moments)
+    (``pm.save_checkpoint``: torch.distributed.checkpoint plus the plan); load both under another
+    plan (``pm.load_checkpoint``), possibly in a launch of another size (``save_plan`` None: the
+    directory was written by an earlier launch), into a model initialised differently. The
+    weights must come back bit for bit (by original name) and training must go on along the
+    single-process trajectory (the second step after loading checks the moments)."""
     import autopar
     from autopar.capture import default_loss
     from tests import zoo
 
     ids, tgt = batch(1, B=case.get("batch", 8))
     ref = build(case["model"])
-    src = autopar.compile(copy.deepcopy(ref), world, example_inputs=(ids,), plan=case["save_plan"],
-                          global_batch=ids.shape[0])
-    opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
-    src.step(ids, target=tgt)
-    opt.step()  # trained weights and moments, unlike any fresh initialisation
-    saved = src.full_state_dict()
-    dcp.save({"model": src.state_dict(), "optim": get_optimizer_state_dict(src, opt)}, checkpoint_id=case["dir"])
-    if dist.get_rank() == 0:
-        torch.save(saved, os.path.join(case["dir"], "full_state_dict.pt"))
+    out = {"name": case["name"]}
+    if case.get("save_plan") is not None:
+        src = autopar.compile(copy.deepcopy(ref), world, example_inputs=(ids,), plan=case["save_plan"],
+                              global_batch=ids.shape[0])
+        opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+        src.step(ids, target=tgt)
+        opt.step()  # trained weights and moments, unlike any fresh initialisation
+        saved = src.full_state_dict()
+        src.save_checkpoint(case["dir"], opt)
+        if dist.get_rank() == 0:
+            torch.save(saved, os.path.join(case["dir"], "full_state_dict.pt"))
+        out["saved_plan"] = src.plan.as_config_string()
+    else:
+        saved = torch.load(os.path.join(case["dir"], "full_state_dict.pt"))
     # The single-process trajectory: the same first step, then two more.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses = []
@@ -129,10 +133,7 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
     dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=(ids,), plan=case["load_plan"],
                           global_batch=ids.shape[0])
     dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
-    state = {"model": dst.state_dict(), "optim": get_optimizer_state_dict(dst, dst_opt)}
-    dcp.load(state, checkpoint_id=case["dir"])
-    dst.load_state_dict(state["model"])
-    set_optimizer_state_dict(dst, dst_opt, optim_state_dict=state["optim"])
+    old_plan = dst.load_checkpoint(case["dir"], dst_opt)
     got = dst.full_state_dict()
     same = sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
     losses = []
@@ -141,7 +142,8 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
         dst_opt.zero_grad()
         losses.append(float(dst.step(b_ids, target=b_tgt)))
         dst_opt.step()
-    return {"name": case["name"], "plans": [src.plan.as_config_string(), dst.plan.as_config_string()],
+    return {**out, "plans": [old_plan.as_config_string() if old_plan else None, dst.plan.as_config_string()],
+            "saved_world": old_plan.world_size if old_plan else None,
             "identical": same, "n": len(saved), "losses_after_load": losses, "ref_losses": ref_losses[1:]}
 
 
@@ -168,7 +170,7 @@ def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> Non
         dist.init_process_group("gloo", rank=rank, world_size=world)
         for case in cases:
             try:
-                res = (run_checkpoint_case if "save_plan" in case else run_case)(world, case)
+                res = (run_checkpoint_case if "load_plan" in case else run_case)(world, case)
             except Exception as e:  # report it; the parent stops every rank
                 res = {"name": case["name"], "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
             q.put((rank, res))

@@ -40,6 +40,22 @@ def test_load_under_another_plan(launched, pair):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("checkpoint")
+def test_another_gpu_count_replans_and_resumes(launched):
+    """Written by 4 processes under FSDP 4; two processes plan afresh (plan="auto") and load it:
+    the saved plan comes back with it, and training resumes on the same trajectory."""
+    cases = launched[0]
+    c = {"name": "4->2 auto", "model": "llama-tiny", "load_plan": "auto", "dir": cases[0]["dir"]}
+    per_rank = [x[0] for x in dist_harness.run(2, [c])]
+    for r in per_rank:
+        assert "error" not in r, f"{r['error']}\n{r.get('tb', '')}"
+        assert r["identical"] and r["saved_world"] == 4
+        assert r["losses_after_load"] == pytest.approx(r["ref_losses"], abs=TRAJ_TOL)
+    saved_under = launched[1][cases[0]["name"]][0]["saved_plan"]
+    assert per_rank[0]["plans"][0] == saved_under  # the plan stored beside the checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint")
 def test_single_process_loads_a_distributed_checkpoint(launched):
     cases, _ = launched
     for c in cases:

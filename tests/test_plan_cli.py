@@ -111,3 +111,22 @@ def test_explain_graph_lists_the_executed_collectives():
     # embedding's reduce-scatter, the head's input gather and the logits gather.
     assert sum("all_gather" in l for l in fwd) == 6 and sum("reduce_scatter" in l for l in fwd) == 5
     assert all(l.split("│")[-2].strip() for l in fwd), "each forward collective names the node it came from"
+
+
+def test_explain_against_a_checkpoint(tmp_path):
+    """A checkpoint saved on 4 GPUs (its plan beside it), planned again for 2: explain names both
+    plans and what changed (here the GPU count), in text and in JSON."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    r = run_cli("explain", "llama-tiny", "--gpus", "4", "--hardware", "cpu", "--precision", "fp32",
+                "--global-batch", "8", "-o", str(ckpt / "autopar_plan.json"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("explain", "llama-tiny", "--gpus", "2", "--hardware", "cpu", "--precision", "fp32",
+                "--global-batch", "8", "--checkpoint", str(ckpt))
+    assert r.returncode == 0, r.stderr
+    assert "on 4 GPUs" in r.stdout and "on 2 GPUs" in r.stdout and "world_size: 4 -> 2" in r.stdout
+    assert "pm.load_checkpoint" in r.stdout
+    r = run_cli("explain", "llama-tiny", "--gpus", "2", "--hardware", "cpu", "--precision", "fp32",
+                "--global-batch", "8", "--checkpoint", str(ckpt), "--json")
+    d = json.loads(r.stdout)["checkpoint"]
+    assert d["saved_world_size"] == 4 and "world_size: 4 -> 2" in d["changes"]

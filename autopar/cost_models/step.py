@@ -185,6 +185,8 @@ class StageModel:
         self.block = {id(b): self._layer(b) for b in m.blocks}
         self.layers = m.layer_sequence()
         self.coeffs = self.block[id(self.layers[0])] if len(m.blocks) == 1 else self._average()
+        # The rank that runs the last stage (the head and the loss): V-shaped zbv puts it on rank 0.
+        self.post_rank = 0 if cfg.schedule == "zbv" else cfg.pp - 1
         self._outer()
 
     # -- per layer ---------------------------------------------------------------------------
@@ -285,7 +287,7 @@ class StageModel:
         ctx, cfg, hw, m = self.ctx, self.cfg, self.ctx.hw, self.ctx.model
         tp, mb = cfg.tp, cfg.mb
         self.outer = {}
-        tied_vocab, tied_rep = m.tied_outside if cfg.pp > 1 else (0, 0)
+        tied_vocab, tied_rep = m.tied_outside if self.post_rank else (0, 0)  # a copy on another rank
         for name, prof in (("pre", m.pre), ("post", m.post)):
             ct = self._times(prof.costs, mb, tp, cfg.sp, False)
             p_local = prof.params_vocab / tp + prof.params_rep
@@ -340,7 +342,7 @@ class StageModel:
         t = sum(n * c.time[a] for n, a in zip(ac, AC_MODES))
         if r == 0:
             t += self.outer["pre"]["time"]
-        if r == self.cfg.pp - 1:
+        if r == self.post_rank:
             t += self.outer["post"]["time"]
         return t + self.p2p + self.pp_runtime
 
@@ -354,7 +356,7 @@ class StageModel:
             working = (2 * c.working_param) if cfg.reshard else n * c.working_param
         post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
         outer_act = 0.0
-        for name, on in (("pre", r == 0), ("post", r == cfg.pp - 1)):
+        for name, on in (("pre", r == 0), ("post", r == self.post_rank)):
             if on:
                 o = self.outer[name]
                 static += o["static"]
@@ -417,7 +419,7 @@ class StageModel:
         t = self.balanced_layers()[r] * self.coeffs.hidden_comm["none"]
         if r == 0:
             t += self.outer["pre"]["hidden_comm"]
-        if r == self.cfg.pp - 1:
+        if r == self.post_rank:
             t += self.outer["post"]["hidden_comm"]
         return t
 
@@ -435,8 +437,8 @@ class StageModel:
         p = n * (m.blocks[0].params_tp / cfg.tp + m.blocks[0].params_rep) if m.blocks else 0
         if r == 0:
             p += m.pre.params_vocab / cfg.tp + m.pre.params_rep
-        if r == cfg.pp - 1:
-            tied_vocab, tied_rep = m.tied_outside if cfg.pp > 1 else (0, 0)
+        if r == self.post_rank:
+            tied_vocab, tied_rep = m.tied_outside if self.post_rank else (0, 0)
             p += (m.post.params_vocab + tied_vocab) / cfg.tp + m.post.params_rep + tied_rep
         return p
 
@@ -475,7 +477,7 @@ class StageModel:
         for n, ac in zip(a.ac[b], AC_MODES):
             for k, v in self.coeffs.parts[ac].items():
                 parts[k] += n * v
-        for name, on in (("pre", b == 0), ("post", b == cfg.pp - 1)):
+        for name, on in (("pre", b == 0), ("post", b == self.post_rank)):
             if on:
                 for k, v in self.outer[name]["parts"].items():
                     parts[k] += v
