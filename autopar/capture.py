@@ -266,7 +266,11 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
     import torch.compiler as tc
 
     def attempt():
-        with _TargetKernels() if target_kernels else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if target_kernels:
+                stack.enter_context(_TargetKernels())
+            if tc._is_compiling_flag:  # the second trace: decide random-threshold branches exactly
+                stack.enter_context(_ScalarDraws())
             return trace()
 
     try:
@@ -284,6 +288,75 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
                              "and the export path, torch.compiler.is_compiling() true, passed it but stops here)") from None
         finally:
             tc._is_compiling_flag = False
+
+
+class _ScalarDraw(float):
+    """A uniform draw ``torch.rand([])`` whose only use is a comparison with a constant
+    probability in Python control flow (LayerDrop: ``if torch.rand([]) < p: skip the layer``).
+    The comparison is decided exactly when it is certain (``p <= 0`` never, ``p >= 1`` always);
+    otherwise one static graph cannot represent the model and the trace stops, naming the line
+    and what to set. Any other use of the value stops the trace too."""
+
+    def __new__(cls, where: str):
+        obj = float.__new__(cls, 0.0)
+        obj.where = where
+        return obj
+
+    def _decide(self, p, below: bool) -> bool:
+        if isinstance(p, torch.Tensor) or not isinstance(p, (int, float)):
+            self._refuse(f"compared with {type(p).__name__}")
+        if p <= 0:
+            return not below
+        if p >= 1:
+            return below
+        raise TraceError(
+            f"{self.where}: the model draws a random number and skips work when it is below {p} (stochastic "
+            "depth, e.g. LayerDrop); one static graph cannot do that: set that probability to 0 "
+            "(e.g. config.layerdrop=0) to train it with autopar")
+
+    def _refuse(self, what: str):
+        raise TraceError(f"{self.where}: a random scalar (torch.rand([])) is {what}; autopar traces such a "
+                         "draw only where it is compared with a constant probability")
+
+    def __lt__(self, p):
+        return self._decide(p, True)
+
+    __le__ = __lt__
+
+    def __gt__(self, p):
+        return self._decide(p, False)
+
+    __ge__ = __gt__
+
+    def _value(self, *_):
+        self._refuse("used as a value")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _value
+    __float__ = __bool__ = __neg__ = __pow__ = __rpow__ = _value
+
+
+class _ScalarDraws(torch.overrides.TorchFunctionMode):
+    """``torch.rand([])`` (one scalar) becomes a ``_ScalarDraw`` while the export path traces."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.rand and _scalar_size(args, kwargs):
+            return _ScalarDraw(_user_line())
+        return func(*args, **kwargs)
+
+
+def _scalar_size(args, kwargs) -> bool:
+    size = kwargs.get("size", args[0] if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)) else args)
+    return isinstance(size, (list, tuple, torch.Size)) and len(size) == 0
+
+
+def _user_line() -> str:
+    import traceback
+
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in fr.filename and "/autopar/" not in fr.filename:
+            return f"{os.path.basename(fr.filename)}:{fr.lineno}: {(fr.line or '').strip()}"
+    return "the model"
 
 
 class _TargetKernels(torch.overrides.TorchFunctionMode):

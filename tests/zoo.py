@@ -36,6 +36,10 @@ def _hf(kind: str) -> nn.Module:
         cfg = tf.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                                rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0, **common)
         cls = tf.GPTNeoXForCausalLM
+    elif kind == "hf-opt":  # learned positions with an offset, biases, ReLU; LayerDrop probability 0
+        cfg = tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=8,
+                           word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0, layerdrop=0.0, **common)
+        cls = tf.OPTForCausalLM
     else:
         raise KeyError(kind)
     cfg._attn_implementation = "sdpa"
