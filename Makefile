@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(PY) -m autopar.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12
 
 parity: $(VENV)/.installed
 	$(PY) -m bench.parity_matrix

@@ -113,7 +113,8 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     return art
 
 
-def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None) -> CompiledStep:
+def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None,
+          bucket_cap_mb: float | None = None, dp_groups: set[str] = frozenset()) -> CompiledStep:
     """Partition and compile. With several processes, rank 0 compiles first and the others
     after it: ranks with the same graph (TP and data-parallel ranks have the same one) then load
     Inductor's cached code instead of compiling it again on the same cores."""
@@ -121,6 +122,10 @@ def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_wei
 
     t0 = time.perf_counter()
     fw, bw = partition(joint, n_outputs)
+    if bucket_cap_mb is not None:  # passes/bucket.py: per-layer buckets of FSDP/DP collectives
+        from autopar.passes.bucket import bucket
+
+        fw, bw = bucket(fw, bucket_cap_mb, dp_groups), bucket(bw, bucket_cap_mb, dp_groups)
     ordered = inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
     if ordered and dist.get_rank() != 0:
         dist.barrier()

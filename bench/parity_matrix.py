@@ -59,9 +59,10 @@ def main() -> int:
             lines.append(f"| {r['case']} | {r['plan']} | {r['grad_rel_diff']:.1e} | {r['loss_diff']:.1e} | "
                          f"{'yes' if r['ok'] else 'no'} |")
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "parity.md"), "w") as f:
+    name = "parity" if only is None and not args else "parity_partial"  # a subset never overwrites the matrix
+    with open(os.path.join(OUT, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(OUT, "parity.json"), "w") as f:
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n".join(lines))
     return 0 if all(r["ok"] for r in rows) else 1

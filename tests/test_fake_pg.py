@@ -19,9 +19,11 @@ def test_collectives_in_the_graph(sp, world):
     got, plan = d["got"], d["plan"]
     layers, params = 2, 21
     # FSDP: every parameter gathered over the 8 data-parallel ranks before use, its gradient
-    # reduce-scattered back (no bucketing yet).
-    assert got["forward:all_gather_into_tensor:8:fsdp"] == params
-    assert got["backward:reduce_scatter_tensor:8:fsdp"] == params
+    # reduce-scattered back, in buckets of at most one layer (passes/bucket.py): one per layer,
+    # plus the embedding and the head, which are each larger than a layer under TP 8.
+    fwd_ag = sum(v for k, v in got.items() if k.startswith("forward:all_gather_into_tensor") and k.endswith(":8:fsdp"))
+    bwd_rs = got["backward:reduce_scatter_tensor:8:fsdp"]
+    assert layers <= fwd_ag <= layers + 3 < params and layers <= bwd_rs <= layers + 3
     tp_gathers = sum(v for k, v in got.items() if k.endswith("all_gather_into_tensor:8:tp"))
     if sp:
         # Column inputs gathered (2 per layer + head), logits gathered; backward mirrors each row

@@ -62,7 +62,10 @@ CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     case("hf-gpt2", "pp2_tp2_sp", PP4["pp2_tp2_sp"], clip=True),
     case("gpt-tiny", "auto_pp2", "pp=2,tp=1"),  # the planner's own choice for a tied model, PP pinned
 ]
-CI_PP2 = [case("llama-tiny-4layers", n, p) for n, p in PP2.items()]
+CI_PP2 = [case("llama-tiny-4layers", n, p) for n, p in PP2.items()] + [
+    # 3 layers over 2 stages (the planner splits them 2 + 1), the head tied to the embedding.
+    case("gpt-tiny-3layers", "pp2_1f1b_uneven", "pp=2,tp=1,dp=1,schedule=1f1b"),
+]
 
 
 def check(per_rank: list[dict], plan) -> None:

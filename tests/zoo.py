@@ -112,8 +112,10 @@ def build(kind: str) -> nn.Module:
 
     from autopar import models
 
-    if kind.endswith("-4layers"):  # the preset as it is (4 layers: room for interleaved pipelines)
-        return models.build_preset(kind.removesuffix("-4layers"))
+    if kind.endswith("layers"):  # "<preset>-<n>layers": the preset with n layers (4: the preset as it is)
+        base, n = kind.rsplit("-", 1)
+        cfg = dataclasses.replace(models.PRESETS[base], n_layers=int(n.removesuffix("layers")))
+        return (models.Llama if isinstance(cfg, models.LlamaConfig) else models.GPT)(cfg)
     if kind in ("llama-tiny", "gpt-tiny"):  # 2 layers: less to compile
         cfg = dataclasses.replace(models.PRESETS[kind], n_layers=2)
         return (models.Llama if kind == "llama-tiny" else models.GPT)(cfg)

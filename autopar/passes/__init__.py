@@ -36,7 +36,8 @@ from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
 
-COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce",
+               "all_to_all_single")
 
 
 @dataclass

@@ -1,0 +1,97 @@
+"""Bucketed collectives against one collective per parameter, side by side in one run: the same
+plan compiled twice (``disable_passes=("bucket",)`` for the unbucketed one), steps alternated
+after warm-up on gloo processes, Inductor on. Prints and writes the median step times, their
+ratio and the number of data-parallel collectives in each compiled step.
+
+``python -m bench.bucketing [--steps N]`` writes bench/results/bucketing.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.common import write
+
+MODEL, BATCH, SEQ = "llama-small", 8, 128
+CONFIGS = [
+    {"name": "fsdp4", "pins": {"dp": 4, "fsdp": 1, "pp": 1, "tp": 1, "ac": "none", "mb": 2}},
+    {"name": "ddp4", "pins": {"dp": 4, "fsdp": 0, "pp": 1, "tp": 1, "ac": "none", "mb": 2}},
+    {"name": "hsdp2x2", "pins": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1, "tp": 1, "ac": "none", "mb": 2}},
+]
+
+
+def _worker(rank: int, world: int, port: int, steps: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    from autopar import models
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1024, (BATCH, SEQ), generator=g)
+    tgt = torch.randint(0, 1024, (BATCH, SEQ), generator=g)
+    out = []
+    for cfg in CONFIGS:
+        pms = {}
+        for kind, disabled in (("bucketed", ()), ("per_parameter", ("bucket",))):
+            torch.manual_seed(0)
+            pms[kind] = autopar.compile(models.build_preset(MODEL, seq_len=SEQ), world, example_inputs=(ids,),
+                                        plan=cfg["pins"], global_batch=BATCH, hardware="cpu", disable_passes=disabled)
+        times = {k: [] for k in pms}
+        for i in range(steps + 2):
+            for kind, pm in pms.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                pm.step(ids, target=tgt).item()
+                if i >= 2:
+                    times[kind].append(time.perf_counter() - t0)
+                for p in pm.parameters():
+                    p.grad = None
+        counts = {k: sum(1 for r in pm.info["collectives"]["step"] if r["dim"] in ("dp_shard", "dp_replicate"))
+                  for k, pm in pms.items()}
+        out.append({"name": cfg["name"], "plan": pms["bucketed"].plan.as_config_string(),
+                    **{f"{k}_s": statistics.median(v) for k, v in times.items()},
+                    **{f"{k}_collectives": c for k, c in counts.items()}})
+    q.put((rank, out))
+    autopar.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    from tests.dist_harness import free_port
+
+    world = 4
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args.steps, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    per_rank = dict(q.get(timeout=3000) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    rows = []
+    for i in range(len(CONFIGS)):
+        r = dict(per_rank[0][i])
+        r["bucketed_s"] = max(per_rank[k][i]["bucketed_s"] for k in per_rank)
+        r["per_parameter_s"] = max(per_rank[k][i]["per_parameter_s"] for k in per_rank)
+        r["ratio"] = r["bucketed_s"] / r["per_parameter_s"]
+        rows.append(r)
+        print(r, flush=True)
+    write("bucketing", rows, {"model": MODEL, "batch": f"{BATCH} x {SEQ}", "processes": world, "steps timed": args.steps},
+          ["name", "plan", "bucketed_s", "per_parameter_s", "ratio", "bucketed_collectives", "per_parameter_collectives"],
+          "Bucketed vs per-parameter data-parallel collectives (gloo, Inductor on)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
