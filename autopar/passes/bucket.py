@@ -38,7 +38,11 @@ def bucket(gm: torch.fx.GraphModule, cap_mb: float, dp_groups: set[str]) -> torc
         return cap_mb
 
     bucket_fsdp_all_gather(gm, cap)
-    bucket_fsdp_reduce_scatter(gm, cap)
+    # Inductor's reduce-scatter merge needs each reduce-scatter waited once; a graph where one is
+    # waited twice (seen with GPT-NeoX's parallel attention/MLP under TP + SP) keeps them unbucketed.
+    if all(len(n.users) == 1 for n in gm.graph.nodes
+           if n.op == "call_function" and "reduce_scatter" in str(n.target) and "wait" not in str(n.target)):
+        bucket_fsdp_reduce_scatter(gm, cap)
     if dp_groups:
         bucket_fsdp_all_reduce(gm, cap, OrderedSet(dp_groups))
     gm.graph.lint()
