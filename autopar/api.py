@@ -21,7 +21,9 @@ import torch.nn as nn
 
 from autopar import analysis, capture, models, search as search_mod
 from autopar.cost_models.hardware import Hardware, load as load_hardware
-from autopar.cost_models.step import AC_MODES, Config, CostContext, Estimate, StageModel, uniform_assignment, validate_config
+from autopar.cost_models.step import (
+    AC_MODES, ZERO_BUBBLE, Config, CostContext, Estimate, StageModel, uniform_assignment, validate_config,
+)
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import LayerPlan, Plan, ShardRule, stage_rank
 
@@ -233,7 +235,7 @@ def estimate_plan(
     cfg = Config(
         tp=tp, pp=pp, dp=dp, dp_shard=kv.get("dp_shard", dp) if fsdp else 1, sp=kv.get("sp", False),
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
-        schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", "interleaved_zb", "zbv") else 1),
+        schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
     )
     validate_config(ctx, cfg)
     sm = StageModel(ctx, cfg)
@@ -481,9 +483,6 @@ def _distribute_parameters(model: nn.Module, sg, lay) -> list[torch.Tensor]:
 
 def _local_shards(model: nn.Module, sg) -> list[torch.Tensor]:
     return [getattr(q, "_local_tensor", q).detach() for q in (model.get_parameter(n) for n in sg.param_names)]
-
-
-ZERO_BUBBLE = ("interleaved_zb", "zbv")  # schedules that run the weight gradients apart
 
 
 def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set, info: dict):

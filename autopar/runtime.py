@@ -481,7 +481,9 @@ class ParallelModule(nn.Module):
             from torch.distributed import pipelining as pl
 
             plan = self.plan
-            zero_bubble = plan.schedule in ("interleaved_zb", "zbv")
+            from autopar.cost_models.step import ZERO_BUBBLE
+
+            zero_bubble = plan.schedule in ZERO_BUBBLE
             if M < plan.pp or (plan.schedule in ("interleaved", "interleaved_zb") and M % plan.pp):
                 raise AutoparError(f"{M} microbatches do not fit the {plan.schedule} schedule over {plan.pp} stages; "
                                    f"use a global batch of a multiple of {plan.pp * plan.mb * plan.dp} sequences")

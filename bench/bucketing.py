@@ -15,9 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.common import write
+from bench.common import spawn_ranks, write
 
 MODEL, BATCH, SEQ = "llama-small", 8, 128
 CONFIGS = [
@@ -67,18 +66,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
-    from tests.dist_harness import free_port
-
     world = 4
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args.steps, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    per_rank = dict(q.get(timeout=3000) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    per_rank = spawn_ranks(world, _worker, args.steps)
     rows = []
     for i in range(len(CONFIGS)):
         r = dict(per_rank[0][i])

@@ -36,3 +36,22 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def spawn_ranks(world: int, worker, *args, timeout: float = 3000) -> dict:
+    """Run ``worker(rank, world, port, *args, q)`` in ``world`` spawned processes; each puts
+    ``(rank, result)`` on ``q``. Returns {rank: result}."""
+    import torch.multiprocessing as mp
+
+    from tests.dist_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = dict(q.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    return out

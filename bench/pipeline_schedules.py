@@ -22,9 +22,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.common import write
+from bench.common import spawn_ranks, write
 
 MODEL, SEQ, MB, M = "llama-small", 128, 1, 8
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)]
@@ -76,17 +75,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()
-    from tests.dist_harness import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args.steps, q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    per_rank = dict(q.get(timeout=3000) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    per_rank = spawn_ranks(args.world, _worker, args.steps)
     rows = []
     for i, (sched, v) in enumerate(SCHEDULES):
         rs = [per_rank[r][i] for r in range(args.world)]

@@ -50,6 +50,8 @@ from autopar.errors import AutoparError
 
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv")
+# Schedules that run the weight gradients apart from the input gradients (the backward is split).
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
 GiB = float(1 << 30)
 
 
@@ -394,7 +396,7 @@ class StageModel:
         input-gradient and weight-gradient matmuls cost the same) and the rest (communication,
         runtime) not movable. 1 for other schedules."""
         sched = self.cfg.schedule
-        if sched not in ("interleaved_zb", "zbv"):
+        if sched not in ZERO_BUBBLE:
             return 1.0
         parts = self.coeffs.parts["none"]
         total = sum(parts.values())
