@@ -213,3 +213,28 @@ def test_tied_head_under_pp_is_a_copy_and_an_all_reduce():
     sm = StageModel(ctx, cfg)
     assert sm.rank_params(3) - sm.rank_params(2) >= vocab_elems / 2  # the last stage's copy
     assert sum(e.breakdown.values()) == pytest.approx(e.step_time_s)
+
+
+def test_fabric_share_divides_the_cross_node_bandwidth():
+    # 16 ranks on 2 nodes; with fabric = 1/8 a ring drives one NIC of the node instead of eight.
+    n = 1e9
+    one = HW.with_efficiency(fabric=1 / 8)
+    t = collective_time(one, "all_gather", n, Group(16, 8))
+    assert t == pytest.approx(15 * 12e-6 + 7 / 8 * n / 450e9 + 0.5 * n / 50e9)
+    assert collective_time(one, "all_gather", n, Group(8, 8)) == collective_time(HW, "all_gather", n, Group(8, 8))
+
+
+@pytest.mark.parametrize("once", ["reduce", "gather"])
+def test_fsdp_once_per_step_counts_and_memory(llama8b, once):
+    """Reducing (and gathering) once per step instead of per microbatch: fewer collectives, less
+    exposed FSDP time, unsharded gradients (and parameters) held across the microbatches."""
+    ctx = CostContext(llama8b, load_hardware("h100"), 256)
+    base = dict(tp=8, sp=True, pp=4, dp=8, dp_shard=8, fsdp=True, reshard=False, mb=1, schedule="1f1b")
+    per_mb, per_step = (estimate(ctx, Config(**base, fsdp_once=o), ac="full") for o in ("", once))
+    count = lambda e, kind: next(c["count"] for c in e.collectives if c["kind"] == kind and c["group"] == "dp_shard")  # noqa: E731, E501
+    M = 256 // 8
+    assert count(per_mb, "reduce_scatter") == M * count(per_step, "reduce_scatter")
+    assert count(per_mb, "all_gather") == (M if once == "gather" else 1) * count(per_step, "all_gather")
+    assert per_step.breakdown["fsdp_comm"] < per_mb.breakdown["fsdp_comm"]
+    assert per_step.memory_breakdown["unsharded_params"] > per_mb.memory_breakdown["unsharded_params"]
+    assert "once=" + once in per_step.config.short()

@@ -7,9 +7,10 @@ For a group of ``G = k * N`` ranks, ``k`` per node on ``N`` nodes, moving a buff
 - ring all-gather / reduce-scatter::
 
       t = (G-1) * alpha + (k-1)/k * n / B_intra            (N == 1)
-      t = (G-1) * alpha + (k-1)/k * n / B_intra + (N-1)/N * n / (k * B_inter)   (N > 1)
+      t = (G-1) * alpha + (k-1)/k * n / B_intra + (N-1)/N * n / (r * B_inter)   (N > 1)
 
-  every rank has its own NIC, so ``k`` ranks of a node cross the network in parallel.
+  every rank has its own NIC; ``r = max(1, k * fabric)`` of a node's ``k`` NICs carry the rings
+  in parallel (``fabric`` is an efficiency: 1 when the library spreads rings over every rail).
 - all-reduce = reduce-scatter + all-gather (ring), or a tree for small buffers:
   ``2 log2(G) * alpha + 2 n / B_slowest``; the cheaper of the two is taken.
 - all-to-all: ``(G-1) * alpha + (G-1)/G * n / B_slowest``.
@@ -88,7 +89,8 @@ def collective_time(hw: Hardware, kind: str, nbytes: float, g: Group) -> float:
         return alpha + nbytes / b_slow
     ring_bw = (k - 1) / k * nbytes / b_intra
     if n_nodes > 1:
-        ring_bw += (n_nodes - 1) / n_nodes * nbytes / (k * b_inter)
+        rails = max(1.0, k * hw.eff("fabric"))
+        ring_bw += (n_nodes - 1) / n_nodes * nbytes / (rails * b_inter)
     ring = (G - 1) * alpha + ring_bw
     if kind in ("all_gather", "reduce_scatter"):
         return ring

@@ -46,6 +46,10 @@ DEFAULT_EFFICIENCY = {
     "memory": 0.70,
     "collective": 0.75,
     "fusion": 0.5,
+    # The share of a node's NICs that one cross-node ring collective drives at once: 1.0 when
+    # the collective library spreads its rings over every rail (NCCL's ideal), 1/gpus_per_node
+    # when a ring goes through one NIC (what ZeRO-3 at 384-2240 A100s measured in 2021).
+    "fabric": 1.0,
 }
 REQUIRED = (
     "name", "peak_tflops", "memory_gb", "memory_bandwidth_gbps", "gpus_per_node",

@@ -69,6 +69,12 @@ class Config:
     mb: int = 1
     schedule: str = "1f1b"
     v: int = 1
+    # FSDP with several microbatches: "" gathers and reduces every microbatch (autopar's
+    # executor); "reduce" reduces the gradients once per step, accumulating them unsharded
+    # (torch.distributed.pipelining with FSDP2 in 2024); "gather" also keeps the parameters
+    # gathered across the step's microbatches (pipelining since set_reshard_after_backward,
+    # Llama 3's training). Priced for published runs; the search never sets it.
+    fsdp_once: str = ""
 
     @property
     def world(self) -> int:
@@ -80,7 +86,7 @@ class Config:
 
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
-                int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v)
+                int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once)
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -88,6 +94,8 @@ class Config:
             s += f",dp_shard={self.dp_shard}"
         if self.fsdp and not self.reshard:
             s += ",reshard=0"
+        if self.fsdp and self.fsdp_once:
+            s += f",once={self.fsdp_once}"
         if self.pp > 1:
             s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
         return s
@@ -205,7 +213,9 @@ class StageModel:
         if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
             tp_fwd, tp_bwd = tp_fwd * 0.3, tp_bwd * 0.3
         p_local = b.params_tp / tp + b.params_rep
-        ag, rs, busy = self._fsdp_collectives(p_local, cfg.reshard)
+        ag, rs, busy = self._fsdp_collectives(p_local, cfg.reshard and cfg.fsdp_once != "gather")
+        if cfg.fsdp_once == "gather":
+            busy /= self.M
         # Under SP the sequence region's ops (norms; residual adds are counted too) run on DTensors.
         eager = self._eager_tp_overhead(b.tp_linears, int(np.count_nonzero(~b.costs.tp)))
         time, parts, act, hidden = {}, {}, {}, {}
@@ -214,6 +224,12 @@ class StageModel:
             comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1)
             fsdp_fwd = max(0.0, ag - ct.fwd)
             fsdp_bwd = max(0.0, (ag if cfg.reshard else 0.0) + rs - ct.bwd - rec[ac])
+            if cfg.fsdp_once:  # once per step, behind the first forward and the last backward
+                exposed_rs = max(0.0, rs - ct.bwd - rec[ac]) / self.M
+                if cfg.fsdp_once == "gather":
+                    fsdp_fwd, fsdp_bwd = fsdp_fwd / self.M, exposed_rs
+                else:
+                    fsdp_bwd = max(0.0, (ag if cfg.reshard else 0.0) - ct.bwd - rec[ac]) + exposed_rs
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
                 "fsdp_comm": fsdp_fwd + fsdp_bwd,
@@ -295,8 +311,12 @@ class StageModel:
             p_local = prof.params_vocab / tp + prof.params_rep
             if name == "post":  # the last stage's copy of a head tied to the embedding
                 p_local += tied_vocab / tp + tied_rep
-            ag, rs, busy = self._fsdp_collectives(p_local, True)
+            ag, rs, busy = self._fsdp_collectives(p_local, cfg.fsdp_once != "gather")
             fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
+            if cfg.fsdp_once == "gather":
+                fsdp, busy = (max(0.0, ag - ct.fwd) + max(0.0, rs - ct.bwd)) / self.M, busy / self.M
+            elif cfg.fsdp_once:
+                fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag - ct.bwd) + max(0.0, rs - ct.bwd) / self.M
             tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
                        for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
             saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
@@ -355,7 +375,10 @@ class StageModel:
         static = n * c.static
         working = 0.0
         if cfg.fsdp and cfg.dp_shard > 1:
-            working = (2 * c.working_param) if cfg.reshard else n * c.working_param
+            keep = cfg.reshard and cfg.fsdp_once != "gather"
+            working = (2 * c.working_param) if keep else n * c.working_param
+            if cfg.fsdp_once:  # unsharded fp32 gradients accumulated across the microbatches
+                working += n * c.working_param / self.ctx.act_bytes * 4
         post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
         outer_act = 0.0
         for name, on in (("pre", r == 0), ("post", r == self.post_rank)):
@@ -364,7 +387,8 @@ class StageModel:
                 static += o["static"]
                 outer_act += o["act"] * (post_inflight if name == "post" else self.inflight(r))
                 if cfg.fsdp and cfg.dp_shard > 1:
-                    working = max(working, o["working"]) if cfg.reshard else working + o["working"]
+                    working = max(working, o["working"]) if keep else working + o["working"] * (
+                        1 + (4 / self.ctx.act_bytes if cfg.fsdp_once else 0))
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,
@@ -520,11 +544,13 @@ class StageModel:
                                     "count": (nf + nb) * M, "why": why})
         if cfg.fsdp and cfg.dp_shard > 1:
             p = self.coeffs.working_param
-            ag_count = n * M * (2 if cfg.reshard else 1)
+            per = 1 if cfg.fsdp_once == "gather" else M
+            ag_count = n * per * (2 if cfg.reshard and cfg.fsdp_once != "gather" else 1)
             out.append({"kind": "all_gather", "group": "dp_shard", "group_size": cfg.dp_shard,
                         "bytes": p, "count": ag_count, "why": "FSDP parameter unshard per layer"})
             out.append({"kind": "reduce_scatter", "group": "dp_shard", "group_size": cfg.dp_shard,
-                        "bytes": p / ctx.act_bytes * 4, "count": n * M, "why": "FSDP gradient reduce per layer"})
+                        "bytes": p / ctx.act_bytes * 4, "count": n * (1 if cfg.fsdp_once else M),
+                        "why": "FSDP gradient reduce per layer"})
             if cfg.dp_replicate > 1:
                 out.append({"kind": "all_reduce", "group": "dp_replicate", "group_size": cfg.dp_replicate,
                             "bytes": p / ctx.act_bytes * 4 / cfg.dp_shard, "count": n * M,

@@ -1,0 +1,41 @@
+"""The validation set's data file: every run is complete, names its source, and the throughput
+derived from a printed FLOP rate agrees with the same paper's printed iteration time."""
+
+import json
+
+import pytest
+
+from bench import reference_runs as rr
+
+DATA = json.load(open(rr.DATA[1]))
+
+
+@pytest.mark.parametrize("run", DATA, ids=[f"{i}-{r['model']['name']}" for i, r in enumerate(DATA)])
+def test_run_is_complete(run):
+    assert run["source"] and run["table"] and run["note"]
+    if run.get("skip"):
+        return
+    c, m = run["config"], run["model"]
+    assert c["tp"] * c["pp"] * c["dp"] * c.get("cp", 1) == run["hardware"]["n_gpus"]
+    assert c["global_batch"] % c["dp"] == 0
+    assert m["hidden"] % m["heads"] == 0
+    assert rr.hardware_of(run["hardware"]["gpu"])
+    assert rr.published_tps(run) > 0
+
+
+def test_flop_rate_and_iteration_time_agree():
+    """MT-NLG prints both: the Megatron FLOP count (recomputation included) turns 126 TFLOP/s into
+    the printed 60.1 s iteration within 1%."""
+    run = next(r for r in DATA if r["model"]["name"] == "MT-NLG 530B" and r["hardware"]["n_gpus"] == 2240)
+    by_time = rr.published_tps(run)
+    by_flops = rr.published_tps({**run, "result": {k: v for k, v in run["result"].items() if k != "step_time_s"}})
+    assert by_flops == pytest.approx(by_time, rel=0.01)
+
+
+def test_every_priced_run_maps_to_a_configuration():
+    rows = rr.runs()
+    priced = [(r, s) for r, s in rows if s is not None]
+    assert len(priced) >= 70 and len(rows) - len(priced) <= 12
+    for row, spec in priced:
+        assert spec["cfg"].world == row["gpus"], row
+        assert spec["global_batch"] % (spec["cfg"].dp * spec["cfg"].mb) == 0, row
