@@ -253,7 +253,8 @@ def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tu
         args = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.args)
         kwargs = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.kwargs)
         outv = n.meta.get("val")
-        flops = op_flops(n.target, args, kwargs, outv)
+        # Routed experts traced in fixed-shape form run only their top-k share on a GPU.
+        flops = op_flops(n.target, args, kwargs, outv) * n.meta.get("custom", {}).get("moe_active", 1.0)
         in_nodes = [a for a in n.all_input_nodes]
         w_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name in param_nodes)
         a_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name not in param_nodes)

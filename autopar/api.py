@@ -669,6 +669,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     ids = example_inputs[0]
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
+    capture.check_routed_experts(model)  # before the fixed-shape experts form trains anything
     prof = profile_model(model, example_inputs=example_inputs, precision=model_precision(model), loss_fn=loss_fn)
     tuning = None
     if tune:

@@ -242,7 +242,7 @@ def trace_model(
     try:
         return with_export_path_fallback(lambda: _trace_model(
             model, mode, batch=batch, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype, loss_fn=loss_fn,
-            name=name, example_inputs=example_inputs, t0=t0), target_kernels=True)
+            name=name, example_inputs=example_inputs, t0=t0), target_kernels=True, model=model)
     finally:
         with torch.no_grad():
             for b, v in kept:
@@ -250,17 +250,20 @@ def trace_model(
 
 
 def _data_dependent(e: BaseException) -> bool:
-    """The trace stopped because the model branches on (or reads) a tensor's value."""
+    """The trace stopped because the model branches on (or reads) a tensor's value, or an op's
+    output shape depends on values (``nonzero``)."""
     text = f"{type(e).__name__} {e} {type(e.__cause__).__name__ if e.__cause__ else ''}"
-    return "DataDependent" in text or "data-dependent" in text.lower()
+    return "DataDependent" in text or "data-dependent" in text.lower() or "DynamicOutputShape" in text
 
 
-def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool = False) -> Any:
+def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool = False,
+                              model: nn.Module | None = None) -> Any:
     """Run ``trace``; if the model branches on a tensor's value, trace it again the way
     ``torch.compile``/``torch.export`` see it (``torch.compiler.is_compiling()`` true), which is
     the documented signal for libraries to take their traceable path (transformers then skips,
-    e.g., OPT's ``torch.all(attention_mask == 1)`` shortcut). If that fails too, the error names
-    the line the second trace stopped at."""
+    e.g., OPT's ``torch.all(attention_mask == 1)`` shortcut), with ``model``'s token-routed
+    mixture-of-experts blocks in their fixed-shape form (``routed_experts``). If that fails too,
+    the error names the line the second trace stopped at."""
     import contextlib
 
     import torch.compiler as tc
@@ -271,6 +274,8 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
                 stack.enter_context(_TargetKernels())
             if tc._is_compiling_flag:  # the second trace: decide random-threshold branches exactly
                 stack.enter_context(_ScalarDraws())
+                if model is not None:
+                    stack.enter_context(_FixedShapeExperts(model))
             return trace()
 
     try:
@@ -357,6 +362,128 @@ def _user_line() -> str:
         if "/torch/" not in fr.filename and "/autopar/" not in fr.filename:
             return f"{os.path.basename(fr.filename)}:{fr.lineno}: {(fr.line or '').strip()}"
     return "the model"
+
+
+# --------------------------------------------------------------------------------------------
+# Token-routed mixture-of-experts blocks
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A mixture-of-experts block recognised by its structure: ``experts`` (a list of ``E``
+    identical modules), one linear router with ``E`` outputs, ``top_k`` (or
+    ``num_experts_per_tok``), optionally a shared expert with a sigmoid gate. Its own forward
+    (transformers' Mixtral, Qwen2-MoE, OLMoE, ...) sends each expert the tokens routed to it,
+    found with ``nonzero``: shapes that depend on values, which no static graph holds."""
+
+    name: str
+    module: nn.Module
+    router: str
+    top_k: int
+    normalize: bool
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.module.experts)
+
+
+_MOE_PARTS = {"experts", "shared_expert", "shared_expert_gate", "act_fn"}
+
+
+def routed_experts(model: nn.Module) -> list[RoutedExperts]:
+    out = []
+    for name, m in model.named_modules():
+        experts = getattr(m, "experts", None)
+        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or len({type(e) for e in experts}) != 1:
+            continue
+        E = len(experts)
+        k = getattr(m, "top_k", None) or getattr(m, "num_experts_per_tok", None)
+        routers = [c for c, mod in m.named_children() if isinstance(mod, nn.Linear) and mod.out_features == E]
+        others = {c for c, _ in m.named_children()} - _MOE_PARTS - set(routers[:1])
+        if not isinstance(k, int) or not 1 <= k <= E or len(routers) != 1 or others:
+            continue
+        out.append(RoutedExperts(name, m, routers[0], k, bool(getattr(m, "norm_topk_prob", True))))
+    return out
+
+
+def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's output with fixed shapes: every expert runs on every token and its output is
+    weighted by the token's routing weight, exactly 0 where the token was not routed to it; the
+    sum runs in expert order, as the routed form's ``index_add_`` does, so each token gets the
+    same additions. Expert FLOPs are marked ``moe_active = top_k / E`` (what a routed kernel runs)."""
+    import torch.fx.traceback as fx_traceback
+    import torch.nn.functional as F
+
+    m = r.module
+    if m.training and float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0:
+        raise TraceError(f"the mixture-of-experts block {r.name} multiplies its input by random jitter noise "
+                         f"(router_jitter_noise={m.jitter_noise}) while training, which one static graph cannot "
+                         "reproduce; set router_jitter_noise=0 in the config")
+    b, s, h = hidden.shape
+    x = hidden.reshape(-1, h)
+    logits = getattr(m, r.router)(x)
+    weights = F.softmax(logits, dim=1, dtype=torch.float)
+    weights, chosen = torch.topk(weights, r.top_k, dim=-1)
+    if r.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    dense = torch.zeros(x.shape[0], r.n_experts, dtype=x.dtype, device=x.device).scatter(1, chosen, weights.to(x.dtype))
+    out = torch.zeros_like(x)
+    with fx_traceback.annotate({"moe_active": r.top_k / r.n_experts}):
+        for e, expert in enumerate(m.experts):
+            out = out + expert(x) * dense[:, e:e + 1]
+    shared = getattr(m, "shared_expert", None)
+    if shared is not None:
+        gate = getattr(m, "shared_expert_gate", None)
+        y = shared(x)
+        out = out + (torch.sigmoid(gate(x)) * y if gate is not None else y)
+    return out.reshape(b, s, h), logits
+
+
+class _FixedShapeExperts:
+    """While tracing, each routed-experts block of ``model`` runs ``fixed_shape_experts_forward``."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = routed_experts(model)
+
+    def __enter__(self):
+        self.kept = [r.module.__dict__.get("forward") for r in self.blocks]  # a hook's own patch, if any
+        for r in self.blocks:
+            r.module.forward = lambda hidden, r=r: fixed_shape_experts_forward(r, hidden)
+        return self
+
+    def __exit__(self, *exc):
+        for r, kept in zip(self.blocks, self.kept):
+            r.module.__dict__.pop("forward", None)
+            if kept is not None:
+                r.module.forward = kept
+
+
+def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedExperts]:
+    """Before a model with routed experts trains in the fixed-shape form, prove on its own weights
+    that the form computes what the block's own forward computes (random tokens, both outputs);
+    a block that routes otherwise is refused rather than trained as a different model."""
+    from autopar.errors import AutoparError
+
+    blocks = routed_experts(model)
+    for r in blocks:
+        router = getattr(r.module, r.router)
+        w = router.weight
+        if w.device.type == "meta" or type(w).__name__ in ("FakeTensor", "DTensor"):
+            continue
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(1, tokens, router.in_features, generator=gen, dtype=w.dtype).to(w.device)
+        with torch.no_grad():
+            own = r.module(x)
+            mine = fixed_shape_experts_forward(r, x)
+        own_t = own if isinstance(own, tuple) else (own,)
+        diffs = [float((a - b).abs().max() / max(1.0, float(a.abs().max()))) for a, b in zip(own_t, mine)
+                 if isinstance(a, torch.Tensor) and a.shape == b.shape]
+        if len(diffs) != len(own_t) or max(diffs) > 1e-5:
+            raise AutoparError(
+                f"the mixture-of-experts block {r.name} ({type(r.module).__name__}) does not compute what autopar's "
+                f"fixed-shape routed-experts form computes ({'outputs differ by ' + format(max(diffs), '.2g') if diffs and len(diffs) == len(own_t) else 'its outputs have other shapes'}); "
+                "its routing (e.g. sigmoid scores, grouped or biased top-k, capacity limits) is not the softmax top-k "
+                "autopar knows, so it is not trained rather than trained as a different model")
+    return blocks
 
 
 class _TargetKernels(torch.overrides.TorchFunctionMode):
@@ -524,7 +651,10 @@ def _trace_block(mode: "FakeTensorMode", sig: str, insts: list, args: tuple, kwa
             ps = [p.detach().requires_grad_(True) for p in plist]
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            gm = make_fx(fn)(ps, *ts)
+            import torch.fx.traceback as fx_traceback
+
+            with fx_traceback.preserve_node_meta():  # keeps the routed experts' moe_active marks
+                gm = make_fx(fn)(ps, *ts)
     except Exception as e:
         raise _trace_error(e, f"block {fqn} ({type(block).__name__})") from e
     saved_nodes = set()
@@ -706,7 +836,7 @@ def trace_step(
             for h in handles:
                 h.remove()
 
-    gm = with_export_path_fallback(trace)
+    gm = with_export_path_fallback(trace, model=model)
     mutated = _mutated_inputs(gm, len(pnames), bnames)
     if mutated:
         raise TraceError(

@@ -16,7 +16,7 @@ TRAJ_TOL = 2e-5  # later steps: AdamW divides by sqrt(v) and amplifies rounding 
 
 TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
 MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-gemma", "hf-gpt2", "hf-neox",
-          "hf-phi3", "hf-opt", "custom-llama"]
+          "hf-phi3", "hf-opt", "hf-qwen2-moe", "hf-mixtral", "custom-llama"]
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
@@ -54,7 +54,7 @@ CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-
 # TP2xFSDP2+SP case above (``make parity`` runs every plan on every model).
 CI_PLANS = [case("llama-tiny", n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp4_sp"))
             for n, p in PLANS.items()]
-CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")]
+CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")] + [case("hf-qwen2-moe", "fsdp4", PLANS["fsdp4"])]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"]),
     # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).

@@ -40,6 +40,14 @@ def _hf(kind: str) -> nn.Module:
         cfg = tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=8,
                            word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0, layerdrop=0.0, **common)
         cls = tf.OPTForCausalLM
+    elif kind == "hf-qwen2-moe":  # 4 routed experts (top 2, unnormalised) and a gated shared expert
+        cfg = tf.Qwen2MoeConfig(**llama_like, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+        cls = tf.Qwen2MoeForCausalLM
+    elif kind == "hf-mixtral":  # 4 experts, top 2 renormalised, no jitter
+        cfg = tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+                               sliding_window=None)
+        cls = tf.MixtralForCausalLM
     else:
         raise KeyError(kind)
     cfg._attn_implementation = "sdpa"

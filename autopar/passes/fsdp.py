@@ -22,7 +22,9 @@ def dp_placements(shapes: list, tp_placements: dict, dp_shard: int, fsdp: bool) 
         pl = Replicate()
         if fsdp and dp_shard > 1:
             tp_dim = getattr(tp_placements.get(i), "dim", None)
-            dims = [d for d in range(len(shape)) if d != tp_dim and shape[d] >= dp_shard]
+            # A leading dim of size 1 (a gate Linear(h, 1)'s weight) is kept whole: split on a
+            # later dim, its gather ends in a view that a bucketed gather's strided slice breaks.
+            dims = [d for d in range(len(shape)) if d != tp_dim and shape[d] >= dp_shard and shape[0] > 1]
             even = [d for d in dims if shape[d] % dp_shard == 0]
             if even or dims:
                 pl = Shard((even or dims)[0])
