@@ -50,7 +50,7 @@ from autopar.errors import AutoparError, InfeasibleError
 
 log = logging.getLogger(__name__)
 
-PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac"}
+PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once"}
 
 
 @dataclass
@@ -96,6 +96,12 @@ def parse_pins(text: str | dict | None) -> dict:
             if v not in AC_MODES:
                 raise AutoparError(f"ac={v!r}: choose one of {', '.join(AC_MODES)}")
             out[k] = v
+        elif k == "once":
+            if v not in ("microbatch", "reduce", "gather"):
+                raise AutoparError(f"once={v!r}: choose microbatch (FSDP gathers and reduces per microbatch), "
+                                   "reduce (gradients reduced once per step) or gather (parameters also kept "
+                                   "gathered for the step)")
+            out[k] = "" if v == "microbatch" else v
         elif k == "schedule":
             v = {"interleaved1f1b": "interleaved", "interleaved_1f1b": "interleaved", "zb": "interleaved_zb",
                  "zero_bubble": "interleaved_zb", "interleavedzerobubble": "interleaved_zb",
@@ -117,6 +123,9 @@ def parse_pins(text: str | dict | None) -> dict:
 def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
     """Clear errors for pins that can never work, before searching."""
     m = ctx.model
+    if pins.get("once"):
+        raise AutoparError(f"once={pins['once']} is priced by `autopar estimate` only: autopar's executor gathers and "
+                           "reduces FSDP parameters per microbatch, so the planner does not choose it")
     prod = 1
     for k in ("tp", "pp", "dp"):
         prod *= pins.get(k, 1)
