@@ -73,6 +73,9 @@ CLI_CASES = [
     ("pin_unknown_key", "explain llama3-8b --gpus 8 --pin tensor=2", r"unknown pin 'tensor'; known: ac, dp"),
     ("pin_bad_value", "explain llama3-8b --gpus 8 --pin ac=partial", r"ac='partial': choose one of none, selective, full"),
     ("pin_not_integer", "explain llama3-8b --gpus 8 --pin tp=two", r"pin tp='two' must be an integer"),
+    ("pin_estimate_only", "explain llama3-8b --gpus 8 --pin once=gather", r"once=gather is priced by `autopar estimate` only"),
+    ("pin_once_bad_value", "estimate llama3-8b --gpus 8 --plan fsdp=1,dp=8,once=always", r"once='always': choose microbatch"),
+    ("once_without_fsdp", "estimate llama3-8b --gpus 8 --plan dp=8,once=gather", r"once=gather describes FSDP's collectives: add fsdp=1"),
     ("pin_sp_without_tp", "explain llama3-8b --gpus 8 --pin sp=1,tp=1", r"sp=1 needs tp > 1"),
     ("pins_not_dividing_world", "explain llama3-8b --gpus 8 --pin tp=4,pp=4", r"product 16\) do not divide the 8 GPUs"),
     ("batch_not_divisible_by_dp", "estimate llama3-8b --gpus 8 --global-batch 10 --plan tp=1,pp=1,dp=8,mb=1",
@@ -187,9 +190,18 @@ API_CASES = [
     ("random_layer_skipping_hf_opt", lambda: (_hf_opt_layerdrop(), 1, {"example_inputs": (torch.randint(0, 256, (4, 16)),)}),
      TraceError, r"modeling_opt.py:\d+: .*torch.rand.*skips work when it is below 0.2 .*set that probability to 0 "
                  r"\(e.g. config.layerdrop=0\)"),
+    # Routed experts that score with a sigmoid: the fixed-shape form would train another model.
+    ("moe_routing_autopar_does_not_know", lambda: (_sigmoid_moe(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
+     AutoparError, r"mixture-of-experts block 1 \(SigmoidRouted\) does not compute what autopar's fixed-shape"),
     ("buffers_updated_in_forward", lambda: (_BatchNormBlocks(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      TraceError, r"updates the buffer\(s\) bn.num_batches_tracked, bn.running_mean, bn.running_var.*LayerNorm"),
 ]
+
+
+def _sigmoid_moe():
+    from tests.test_moe import SigmoidRouted
+
+    return torch.nn.Sequential(torch.nn.Embedding(32, 16), SigmoidRouted())
 
 
 @pytest.mark.parametrize("make,exc,msg", [pytest.param(m, e, r, id=i) for i, m, e, r in API_CASES])
