@@ -24,8 +24,9 @@ For each distinct block graph (see ``capture``):
   selective AC as in torchtitan) and recomputes the element-wise ops.
 
 Outside the blocks (embedding, final norm, head, loss) ops are recorded by the capture's dispatch
-mode; under TP only the vocabulary matmul (the head) divides by the degree: the executor gathers the
-logits, so the loss and what it saves are whole on every rank.
+mode; under TP the embedding's lookup writes its whole output on every rank, while after the head
+every vocabulary-sized op (the logits, their cast, the cross-entropy) and what it saves divide by
+the degree: the executor keeps the logits split and runs the loss on the shards.
 """
 
 from __future__ import annotations
@@ -530,10 +531,10 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
 
 def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProfile:
     recs = [r for r in trace.ops if r.segment == segment and r.name not in VIEW_OPS]
-    # Under TP only the vocabulary matmul (the head) is split; the embedding writes its whole
-    # output on every rank, and the head's logits are gathered, so the loss runs whole on every
-    # rank too (no loss-parallel cross-entropy in the executor).
-    vocab_op = [r.name in MATMUL_OPS and any(vocab in s for s in r.out_shapes + r.in_shapes) for r in recs]
+    # Under TP the embedding writes its whole output on every rank (only its table is split);
+    # after the head every vocabulary-sized op runs on the logits' shards (loss parallelism).
+    vocab_op = [any(vocab in s for s in r.out_shapes + r.in_shapes) and (segment == "post" or r.name in MATMUL_OPS)
+                for r in recs]
     costs = NodeCosts(
         names=[r.name for r in recs],
         flops=np.array([r.flops for r in recs], dtype=np.float64) / batch,
@@ -555,10 +556,9 @@ def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProf
             pv += math.prod(shape)
         else:
             pr += math.prod(shape)
-    # Saved for backward: after the head everything is whole (gathered logits, the loss's softmax).
-    split = segment == "pre"
-    sv = sum(s.bytes for s in trace.saved if s.segment == segment and split and vocab in s.shape) / batch
-    sr = sum(s.bytes for s in trace.saved if s.segment == segment and not (split and vocab in s.shape)) / batch
+    # Saved for backward: vocabulary-sized tensors (the logits, the loss's softmax) live on their shards.
+    sv = sum(s.bytes for s in trace.saved if s.segment == segment and vocab in s.shape) / batch
+    sr = sum(s.bytes for s in trace.saved if s.segment == segment and vocab not in s.shape) / batch
     return OuterProfile(costs, pv, pr, sv, sr)
 
 

@@ -26,16 +26,18 @@ def test_collectives_in_the_graph(sp, world):
     assert layers <= fwd_ag <= layers + 3 < params and layers <= bwd_rs <= layers + 3
     tp_gathers = sum(v for k, v in got.items() if k.endswith("all_gather_into_tensor:8:tp"))
     if sp:
-        # Column inputs gathered (2 per layer + head), logits gathered; backward mirrors each row
-        # reduce-scatter (2 per layer + embedding) with an all-gather: what the plan prices.
-        assert got["forward:all_gather_into_tensor:8:tp"] == 2 * layers + 2
+        # Column inputs gathered (2 per layer + head), the logits never (loss parallelism: three
+        # per-token all-reduces); backward mirrors each row reduce-scatter (2 per layer +
+        # embedding) with an all-gather: what the plan prices.
+        assert got["forward:all_gather_into_tensor:8:tp"] == 2 * layers + 1
+        assert got["forward:all_reduce:8:tp"] == 3
         assert got["forward:reduce_scatter_tensor:8:tp"] == 2 * layers + 1
         assert got["backward:reduce_scatter_tensor:8:tp"] == 2 * layers + 1
         assert got["backward:all_gather_into_tensor:8:tp"] == 2 * layers + 1
         assert tp_gathers == sum(v for k, v in plan.items() if k.startswith("tp:all_gather"))
     else:
         # Megatron: an all-reduce after each row linear and the embedding, one per column group
-        # input gradient in backward; the logits gathered.
-        assert got["forward:all_reduce:8:tp"] == 2 * layers + 1
+        # input gradient in backward; the loss's three per-token all-reduces; the logits never gathered.
+        assert got["forward:all_reduce:8:tp"] == 2 * layers + 1 + 3
         assert got["backward:all_reduce:8:tp"] == 2 * layers + 1
-        assert tp_gathers == 1
+        assert tp_gathers == 0

@@ -597,8 +597,10 @@ def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tu
         if cfg.sp:  # the residual stream splits at the first block: its gradient is gathered
             out.append(("all_gather", msg, 0, 1, "SP: residual stream gradient at the first block"))
         return out
-    logits = cfg.mb * m.seq_len * m.vocab * ctx.act_bytes
-    out = [("all_gather", logits, 1, 0, "vocab-parallel head: logits gathered for the loss")]
+    # Loss parallelism: the logits stay split; three all-reduces of one fp32 value per token
+    # (row max, sum of exponentials, the target's logit).
+    per_token = cfg.mb * m.seq_len * 4
+    out = [("all_reduce", per_token, 3, 0, "loss-parallel cross-entropy: max, sum of exponentials, target logit")]
     if cfg.sp:
         out += [("all_gather", msg, 1, 0, "SP: head input"), ("reduce_scatter", msg, 0, 1, "SP: head input gradient")]
     else:

@@ -16,12 +16,15 @@ collective an explicit ``_c10d_functional`` op.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -167,8 +170,6 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
             if rules is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
                 if n in rules.to_residual:
                     out = to_tp(out, act)
-                elif n in rules.to_replicate:
-                    out = to_tp(out, [Replicate()])
         env[n] = out
     raise AutoparError("the step graph has no output")
 
@@ -206,10 +207,12 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
             if layout.tp_mesh is not None:  # a stage's received activations: whole on every TP rank
                 rest = [DTensor.from_local(x, layout.tp_mesh, [Replicate()], run_check=False)
                         if i in wrt_index and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
-            outs = replay(sg.gm, vals + rest, rules, layout.tp_mesh, sp)
-            wrt = [primals[i] for i in wrt_index]
-            grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
-                                        allow_unused=True)
+            # Vocabulary-split logits: the cross-entropy (forward and backward) runs on the shards.
+            with loss_parallel() if rules is not None else contextlib.nullcontext():
+                outs = replay(sg.gm, vals + rest, rules, layout.tp_mesh, sp)
+                wrt = [primals[i] for i in wrt_index]
+                grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
+                                            allow_unused=True)
         missing = [sg.param_names[i] for i, g in zip(wrt_index, grads) if g is None and i < P]
         if missing:
             raise AutoparError(

@@ -10,8 +10,10 @@ activations change placement. Decided from the data-flow roles of ``analysis.ste
 - the residual stream is replicated, or split along the sequence (dim 1) under SP: it is
   redistributed there at its sources (embedding lookups) and at each row linear's output
   (an all-reduce, or a reduce-scatter under SP); each group of column linears reading the same
-  residual node gathers it once (nothing, or an all-gather under SP); the head's logits are
-  gathered for the loss.
+  residual node gathers it once (nothing, or an all-gather under SP); the head's logits stay
+  split along the vocabulary, and the cross-entropy runs on them there (DTensor's loss
+  parallelism: all-reduces of the row max, the sum of exponentials and the target's logit,
+  never the logits themselves); anything else that reads them gets them whole.
 
 Every other activation's placement follows by DTensor's sharding propagation through the ops.
 A weight whose split size does not divide by the TP degree stays replicated, with the reason.
@@ -33,7 +35,6 @@ class TPRules:
     placements: dict  # parameter index -> Placement on the tp mesh dim
     gathered: dict  # residual node -> nodes that read it gathered (column inputs)
     to_residual: set  # nodes whose output becomes the residual placement (rows, embeddings)
-    to_replicate: set  # nodes whose output is gathered whole (the head's logits)
     notes: list = field(default_factory=list)
 
 
@@ -103,13 +104,11 @@ def tp_rules(sg, roles: StepRoles, tp: int, sp: bool) -> TPRules:
     sharded = {i for i, p in placements.items() if not isinstance(p, Replicate)}
     gathered = {root: nodes for root, nodes in roles.gather_points.items()
                 if any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in nodes)}
-    to_residual, to_replicate = set(), set()
+    to_residual = set()
     for lin in roles.linears:
         if lin.role == "row" and lin.weight in sharded:
             to_residual.add(_end_of_views(lin.node))
-        elif lin.role == "head" and lin.weight in sharded:
-            to_replicate.add(_end_of_views(lin.node))
     for n in roles.residual:
         if n.op == "placeholder" or (n.op == "call_function" and n.target == torch.ops.aten.embedding.default):
             to_residual.add(n)
-    return TPRules(placements, gathered, to_residual, to_replicate, notes)
+    return TPRules(placements, gathered, to_residual, notes)
