@@ -35,7 +35,6 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-import networkx as nx
 import numpy as np
 import torch
 
@@ -283,6 +282,8 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     param_of = {placeholders[i].name: bt.param_names[i] for i in range(n_params)}
     tensor_ph = placeholders[n_params:]
     hidden_ph = {tensor_ph[i].name for i in bt.hidden_input_idx if i < len(tensor_ph)}
+
+    import networkx as nx  # here, not at import: a cached profile never needs it
 
     g = nx.DiGraph()
     for n in gm.graph.nodes:

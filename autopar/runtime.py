@@ -179,6 +179,38 @@ def _flat_keys(state: dict) -> list[str]:
     return list(flatten_state_dict(state)[0])
 
 
+def _through_full(t, placements):
+    """``t`` (a DTensor) redistributed to ``placements`` through its full value, sliced locally."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t.full_tensor(), t.device_mesh, placements, src_data_rank=None)
+
+
+def _dcp_view(state):
+    """``state`` as torch.distributed.checkpoint can store it. A fused projection's shard under
+    TP (``_StridedShard``: each rank holds its heads of q, k and v) is not one contiguous chunk
+    of the global tensor, which is all a checkpoint's metadata can describe, so such DTensors
+    (parameters and their optimizer moments) appear replicated on those mesh dims. Returns the
+    view and the (original, stand-in) pairs, for copying a loaded stand-in back."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    pairs = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements):
+            tmp = _through_full(x, [Replicate() if isinstance(p, _StridedShard) else p for p in x.placements])
+            pairs.append((x, tmp))
+            return tmp
+        return x
+
+    return walk(state), pairs
+
+
 def shutdown() -> None:
     """End a run cleanly on every rank: stop the failure watch, wait for every rank, destroy the
     process group (a plain ``destroy_process_group`` also works; this one leaves no rank's
@@ -534,7 +566,7 @@ class ParallelModule(nn.Module):
         ``autopar explain --checkpoint`` compares a new plan with). A collective: every rank."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._checkpoint_state(optimizer), checkpoint_id=path)
+        dcp.save(_dcp_view(self._checkpoint_state(optimizer))[0], checkpoint_id=path)
         if not dist.is_initialized() or dist.get_rank() == 0:
             self.plan.save(os.path.join(path, self.PLAN_FILE))
 
@@ -555,7 +587,11 @@ class ParallelModule(nn.Module):
             what = "the optimizer's state" if all(k.startswith("optim.") for k in missing) else "these weights"
             raise AutoparError(f"the checkpoint at {path} lacks {what} ({len(missing)} entries, e.g. {missing[0]}); "
                                "it was saved from another model, or without the optimizer")
-        dcp.load(state, checkpoint_id=path)
+        view, strided = _dcp_view(state)
+        dcp.load(view, checkpoint_id=path)
+        with torch.no_grad():
+            for orig, tmp in strided:  # back to each rank's interleaved pieces
+                orig.copy_(_through_full(tmp, orig.placements))
         self.load_state_dict(state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(self, optimizer, optim_state_dict=state["optim"])

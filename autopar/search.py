@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from autopar.cost_models.step import (
     AC_MODES, SCHEDULES, Assignment, Config, CostContext, Estimate, StageModel, divisors,
@@ -270,6 +269,8 @@ def _bounds(sm: StageModel, pins: dict, limit: float) -> tuple[float, float, Ass
 
 def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
     """Exact layer counts and AC mix per rank for one configuration (see module docstring)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp  # 0.3 s to import: only when a MILP runs
+
     cfg, L, M = sm.cfg, sm.ctx.model.n_layers, sm.M
     pp = cfg.pp
     allowed = _allowed(pins)

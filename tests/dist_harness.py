@@ -144,7 +144,8 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
         dst_opt.step()
     return {**out, "plans": [old_plan.as_config_string() if old_plan else None, dst.plan.as_config_string()],
             "saved_world": old_plan.world_size if old_plan else None,
-            "identical": same, "n": len(saved), "losses_after_load": losses, "ref_losses": ref_losses[1:]}
+            "identical": same, "n": len(saved), "losses_after_load": losses, "ref_losses": ref_losses[1:],
+            "differ": [k for k in saved if k not in got or not torch.equal(got[k], saved[k])][:6]}
 
 
 def _grad_diffs(pm, ref) -> dict:

@@ -108,8 +108,10 @@ def test_explain_graph_lists_the_executed_collectives():
     rows = [l for l in text.splitlines() if "│ tp " in l]
     fwd = [l for l in rows if "forward" in l]
     # Two layers under SP: 2 column-input gathers and 2 row reduce-scatters per layer, the
-    # embedding's reduce-scatter, the head's input gather and the logits gather.
-    assert sum("all_gather" in l for l in fwd) == 6 and sum("reduce_scatter" in l for l in fwd) == 5
+    # embedding's reduce-scatter, the head's input gather; the logits are never gathered (loss
+    # parallelism: three per-token all-reduces).
+    assert sum("all_gather" in l for l in fwd) == 5 and sum("reduce_scatter" in l for l in fwd) == 5
+    assert sum("all_reduce" in l for l in fwd) == 3
     assert all(l.split("│")[-2].strip() for l in fwd), "each forward collective names the node it came from"
 
 
