@@ -49,7 +49,9 @@ def case(model: str, plan_name: str, plan, **kw) -> dict:
     return {"name": f"{model}/{plan_name}", "model": model, "plan": plan, **kw}
 
 
-CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-llama")) for m in MODELS]
+# Qwen2-MoE trains under FSDP 4 in the plans_hf launch; Mixtral covers routed experts under TP here.
+CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-llama")) for m in MODELS
+             if m != "hf-qwen2-moe"]
 # Every plan on the reference Llama; on HF Llama the plans whose graphs differ most from the
 # TP2xFSDP2+SP case above (``make parity`` runs every plan on every model).
 CI_PLANS = [case("llama-tiny", n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp4_sp"))
