@@ -192,7 +192,7 @@ class StageModel:
         self.g_shard = group_on_mesh(mesh, 2, gpn)
         self.g_tp = group_on_mesh(mesh, 3, gpn)
         self.g_dp = Group(cfg.dp, self.g_shard.per_node * (self.g_rep.per_node if self.g_shard.nodes == 1 else 1))
-        self.block = {id(b): self._layer(b) for b in m.blocks}
+        self.block = {id(b): self._layer_cached(b) for b in m.blocks}
         self.layers = m.layer_sequence()
         self.coeffs = self.block[id(self.layers[0])] if len(m.blocks) == 1 else self._average()
         # The rank that runs the last stage (the head and the loss): V-shaped zbv puts it on rank 0.
@@ -200,6 +200,16 @@ class StageModel:
         self._outer()
 
     # -- per layer ---------------------------------------------------------------------------
+    def _layer_cached(self, b: BlockProfile) -> LayerCoeffs:
+        """``_layer`` shared by the configurations of a search that differ only in pp, schedule
+        and v (a layer's coefficients depend on none of them)."""
+        cfg = self.cfg
+        key = ("layer", id(b), cfg.tp, cfg.mb, cfg.sp, cfg.fsdp, cfg.dp_shard, cfg.dp_replicate, cfg.reshard,
+               cfg.fsdp_once, self.M)
+        if key not in self._cache:
+            self._cache[key] = self._layer(b)
+        return self._cache[key]
+
     def _layer(self, b: BlockProfile) -> LayerCoeffs:
         ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
         tp, mb, sp = cfg.tp, cfg.mb, cfg.sp
