@@ -314,32 +314,15 @@ class StageModel:
     def _outer(self):
         ctx, cfg, hw, m = self.ctx, self.cfg, self.ctx.hw, self.ctx.model
         tp, mb = cfg.tp, cfg.mb
-        self.outer = {}
         tied_vocab, tied_rep = m.tied_outside if self.post_rank else (0, 0)  # a copy on another rank
-        for name, prof in (("pre", m.pre), ("post", m.post)):
-            ct = self._times(prof.costs, mb, tp, cfg.sp, False)
-            p_local = prof.params_vocab / tp + prof.params_rep
-            if name == "post":  # the last stage's copy of a head tied to the embedding
-                p_local += tied_vocab / tp + tied_rep
-            ag, rs, busy = self._fsdp_collectives(p_local, cfg.fsdp_once != "gather")
-            fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
-            if cfg.fsdp_once == "gather":
-                fsdp, busy = (max(0.0, ag - ct.fwd) + max(0.0, rs - ct.bwd)) / self.M, busy / self.M
-            elif cfg.fsdp_once:
-                fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag - ct.bwd) + max(0.0, rs - ct.bwd) / self.M
-            tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
-                       for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
-            saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
-            eager = self._eager_tp_overhead(1, 0)  # the vocabulary-parallel embedding or head
-            self.outer[name] = {
-                "time": ct.fwd + ct.bwd + tp_t + fsdp + eager,
-                "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_t, "fsdp_comm": fsdp, "tp_eager_overhead": eager},
-                "static": self._state_bytes(p_local),
-                "working": p_local * ctx.act_bytes,
-                "hidden_comm": max(0.0, busy - fsdp),
-                "act": saved,
-                "flops": ct.flops,
-            }
+        # Shared by the configurations of a search that differ only in pp (beyond where the tied
+        # copy is), schedule, v and reshard.
+        key = ("outer", tp, mb, cfg.sp, cfg.fsdp, cfg.dp_shard, cfg.dp_replicate, cfg.fsdp_once, self.M,
+               bool(self.post_rank))
+        if key not in self._cache:
+            self._cache[key] = {name: self._outer_segment(name, prof, tied_vocab, tied_rep)
+                                for name, prof in (("pre", m.pre), ("post", m.post))}
+        self.outer = self._cache[key]
         hid = mb * m.seq_len * m.hidden * ctx.act_bytes / (tp if cfg.sp else 1)
         self.p2p = self.pp_runtime = 0.0
         # The tied weight's two gradient copies (first and last stage) summed once per step, over
@@ -353,6 +336,33 @@ class StageModel:
             self.p2p = 2 * collective_time(hw, "send_recv", hid, self.g_pp) * cfg.v
             # The schedule's own time per microbatch and stage chunk (forward and backward actions).
             self.pp_runtime = hw.pp_microbatch_us * 1e-6 * cfg.v
+
+    def _outer_segment(self, name: str, prof, tied_vocab: float, tied_rep: float) -> dict:
+        ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
+        tp, mb = cfg.tp, cfg.mb
+        ct = self._times(prof.costs, mb, tp, cfg.sp, False)
+        p_local = prof.params_vocab / tp + prof.params_rep
+        if name == "post":  # the last stage's copy of a head tied to the embedding
+            p_local += tied_vocab / tp + tied_rep
+        ag, rs, busy = self._fsdp_collectives(p_local, cfg.fsdp_once != "gather")
+        fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
+        if cfg.fsdp_once == "gather":
+            fsdp, busy = (max(0.0, ag - ct.fwd) + max(0.0, rs - ct.bwd)) / self.M, busy / self.M
+        elif cfg.fsdp_once:
+            fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag - ct.bwd) + max(0.0, rs - ct.bwd) / self.M
+        tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
+                   for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
+        saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
+        eager = self._eager_tp_overhead(1, 0)  # the vocabulary-parallel embedding or head
+        return {
+            "time": ct.fwd + ct.bwd + tp_t + fsdp + eager,
+            "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_t, "fsdp_comm": fsdp, "tp_eager_overhead": eager},
+            "static": self._state_bytes(p_local),
+            "working": p_local * ctx.act_bytes,
+            "hidden_comm": max(0.0, busy - fsdp),
+            "act": saved,
+            "flops": ct.flops,
+        }
 
     # -- per rank -----------------------------------------------------------------------------
     def inflight(self, r: int) -> float:
