@@ -232,14 +232,14 @@ def estimate_plan(
     if tp * pp * dp != world:
         raise AutoparError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but there are {world} GPUs; make the product equal {world}")
     fsdp = kv.get("fsdp", False)
+    if kv.get("once") and not fsdp:
+        raise AutoparError(f"once={kv['once']} describes FSDP's collectives: add fsdp=1 (or drop once)")
     cfg = Config(
         tp=tp, pp=pp, dp=dp, dp_shard=kv.get("dp_shard", dp) if fsdp else 1, sp=kv.get("sp", False),
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
         schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
-        fsdp_once=kv.get("once", "") if fsdp else "",
+        fsdp_once=kv.get("once", ""),
     )
-    if kv.get("once") and not fsdp:
-        raise AutoparError(f"once={kv['once']} describes FSDP's collectives: add fsdp=1 (or drop once)")
     validate_config(ctx, cfg)
     sm = StageModel(ctx, cfg)
     est = sm.evaluate(uniform_assignment(sm, kv.get("ac", "none")))

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+import torch.nn.functional as F
 
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -410,9 +412,6 @@ def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor) -> tuple
     weighted by the token's routing weight, exactly 0 where the token was not routed to it; the
     sum runs in expert order, as the routed form's ``index_add_`` does, so each token gets the
     same additions. Expert FLOPs are marked ``moe_active = top_k / E`` (what a routed kernel runs)."""
-    import torch.fx.traceback as fx_traceback
-    import torch.nn.functional as F
-
     m = r.module
     if m.training and float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0:
         raise TraceError(f"the mixture-of-experts block {r.name} multiplies its input by random jitter noise "
@@ -461,13 +460,16 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
     """Before a model with routed experts trains in the fixed-shape form, prove on its own weights
     that the form computes what the block's own forward computes (random tokens, both outputs);
     a block that routes otherwise is refused rather than trained as a different model."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
     from autopar.errors import AutoparError
 
     blocks = routed_experts(model)
     for r in blocks:
         router = getattr(r.module, r.router)
         w = router.weight
-        if w.device.type == "meta" or type(w).__name__ in ("FakeTensor", "DTensor"):
+        if w.device.type == "meta" or isinstance(w, (FakeTensor, DTensor)):  # nothing real to run
             continue
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(1, tokens, router.in_features, generator=gen, dtype=w.dtype).to(w.device)
@@ -475,14 +477,18 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
             own = r.module(x)
             mine = fixed_shape_experts_forward(r, x)
         own_t = own if isinstance(own, tuple) else (own,)
-        diffs = [float((a - b).abs().max() / max(1.0, float(a.abs().max()))) for a, b in zip(own_t, mine)
-                 if isinstance(a, torch.Tensor) and a.shape == b.shape]
-        if len(diffs) != len(own_t) or max(diffs) > 1e-5:
+        if len(own_t) != len(mine) or any(not isinstance(a, torch.Tensor) or a.shape != b.shape
+                                          for a, b in zip(own_t, mine)):
+            why = "its outputs have other shapes"
+        else:
+            diff = max(float((a - b).abs().max() / max(1.0, float(a.abs().max()))) for a, b in zip(own_t, mine))
+            why = f"outputs differ by {diff:.2g}" if diff > 1e-5 else None
+        if why:
             raise AutoparError(
                 f"the mixture-of-experts block {r.name} ({type(r.module).__name__}) does not compute what autopar's "
-                f"fixed-shape routed-experts form computes ({'outputs differ by ' + format(max(diffs), '.2g') if diffs and len(diffs) == len(own_t) else 'its outputs have other shapes'}); "
-                "its routing (e.g. sigmoid scores, grouped or biased top-k, capacity limits) is not the softmax top-k "
-                "autopar knows, so it is not trained rather than trained as a different model")
+                f"fixed-shape routed-experts form computes ({why}); its routing (e.g. sigmoid scores, grouped or "
+                "biased top-k, capacity limits) is not the softmax top-k autopar knows, so it is not trained "
+                "rather than trained as a different model")
     return blocks
 
 
@@ -651,8 +657,6 @@ def _trace_block(mode: "FakeTensorMode", sig: str, insts: list, args: tuple, kwa
             ps = [p.detach().requires_grad_(True) for p in plist]
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            import torch.fx.traceback as fx_traceback
-
             with fx_traceback.preserve_node_meta():  # keeps the routed experts' moe_active marks
                 gm = make_fx(fn)(ps, *ts)
     except Exception as e:
@@ -732,8 +736,6 @@ class StepGraph:
 def _module_annotations(model: nn.Module, layers: list[str]):
     """Forward hooks that annotate every node traced inside a module with its name, and inside a
     layer with the layer's index (``torch.fx.traceback.annotate``, copied into ``meta['custom']``)."""
-    import torch.fx.traceback as fx_traceback
-
     index = {name: i for i, name in enumerate(layers)}
     stack: list = []
     handles = []
@@ -785,8 +787,6 @@ def trace_step(
 ) -> StepGraph:
     """Trace ``model``'s forward on ``inputs`` (and the loss against ``target`` when given) to one
     ATen graph, on fake tensors: nothing is computed and no memory of the model's size is used."""
-    import torch.fx.traceback as fx_traceback
-
     pnames, params, aliases = [], [], {}
     by_id: dict[int, str] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):

@@ -67,9 +67,7 @@ def hand_parallelize(model: nn.Module, plan, mesh, compile: bool) -> nn.Module:
     from torch.utils.checkpoint import checkpoint
 
     if plan.tp > 1:
-        # A 1-D mesh is used as is: a slice of it is a submesh, which torch 2.13's compile of the
-        # backward rebuilds with device_mesh._get_submesh, an op Inductor cannot lower.
-        tp = mesh if mesh.ndim == 1 else mesh["tp"]
+        tp = mesh["tp"]
         seq = Shard(1) if plan.sp else Replicate()
         parallelize_module(model, tp, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -96,7 +94,7 @@ def hand_parallelize(model: nn.Module, plan, mesh, compile: bool) -> nn.Module:
         for blk in model.layers:
             blk.compile()
     if plan.fsdp and plan.dp > 1:
-        dp = mesh if mesh.ndim == 1 else (mesh["dp_shard"] if plan.dp_shard == plan.dp else mesh["dp_replicate", "dp_shard"])
+        dp = mesh["dp_shard"] if plan.dp_shard == plan.dp else mesh["dp_replicate", "dp_shard"]
         for blk in model.layers:
             fully_shard(blk, mesh=dp, reshard_after_forward=plan.reshard_after_forward)
         fully_shard(model, mesh=dp, reshard_after_forward=plan.reshard_after_forward)

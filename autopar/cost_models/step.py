@@ -223,26 +223,17 @@ class StageModel:
         if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
             tp_fwd, tp_bwd = tp_fwd * 0.3, tp_bwd * 0.3
         p_local = b.params_tp / tp + b.params_rep
-        ag, rs, busy = self._fsdp_collectives(p_local, cfg.reshard and cfg.fsdp_once != "gather")
-        if cfg.fsdp_once == "gather":
-            busy /= self.M
+        ag, rs, busy = self._fsdp_collectives(p_local, cfg.reshard)
         # Under SP the sequence region's ops (norms; residual adds are counted too) run on DTensors.
         eager = self._eager_tp_overhead(b.tp_linears, int(np.count_nonzero(~b.costs.tp)))
         time, parts, act, hidden = {}, {}, {}, {}
         seq_div = tp if sp else 1
         for ac in AC_MODES:
             comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1)
-            fsdp_fwd = max(0.0, ag - ct.fwd)
-            fsdp_bwd = max(0.0, (ag if cfg.reshard else 0.0) + rs - ct.bwd - rec[ac])
-            if cfg.fsdp_once:  # once per step, behind the first forward and the last backward
-                exposed_rs = max(0.0, rs - ct.bwd - rec[ac]) / self.M
-                if cfg.fsdp_once == "gather":
-                    fsdp_fwd, fsdp_bwd = fsdp_fwd / self.M, exposed_rs
-                else:
-                    fsdp_bwd = max(0.0, (ag if cfg.reshard else 0.0) - ct.bwd - rec[ac]) + exposed_rs
+            fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd + rec[ac], cfg.reshard)
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
-                "fsdp_comm": fsdp_fwd + fsdp_bwd,
+                "fsdp_comm": fsdp,
                 # A full recompute runs the forward third of the DTensor dispatches again.
                 "tp_eager_overhead": eager * (4 / 3 if ac == "full" else 1.0),
             }
@@ -254,12 +245,27 @@ class StageModel:
         ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
         return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws, hidden)
 
+    def _fsdp_exposed(self, ag: float, rs: float, fwd: float, bwd: float, reshard: bool) -> float:
+        """FSDP seconds per microbatch that the compute (``fwd``, ``bwd``) does not hide: the
+        gather before the forward, the gather again (``reshard``) and the reduce before the
+        backward. With ``fsdp_once`` what happens once per step is spread over the M microbatches."""
+        once, M = self.cfg.fsdp_once, self.M
+        exposed_fwd = max(0.0, ag - fwd)
+        if not once:
+            return exposed_fwd + max(0.0, (ag if reshard else 0.0) + rs - bwd)
+        exposed_rs = max(0.0, rs - bwd) / M
+        if once == "gather":
+            return exposed_fwd / M + exposed_rs
+        return exposed_fwd + max(0.0, (ag if reshard else 0.0) - bwd) + exposed_rs
+
     def _fsdp_collectives(self, p_local: float, reshard: bool) -> tuple[float, float, float]:
         """FSDP per layer: all-gather and reduce-scatter seconds (HSDP adds the replica all-reduce
-        to the latter), and the processor time of all of them (``collective_transfer``)."""
+        to the latter), and the processor time of all of them per microbatch (``collective_transfer``;
+        with ``fsdp_once="gather"`` they run once per step)."""
         cfg, ctx, hw = self.cfg, self.ctx, self.ctx.hw
         if not (cfg.fsdp and cfg.dp_shard > 1):
             return 0.0, 0.0, 0.0
+        reshard = reshard and cfg.fsdp_once != "gather"
         ag_bytes, rs_bytes = p_local * ctx.act_bytes, p_local * 4
         ag = collective_time(hw, "all_gather", ag_bytes, self.g_shard)
         rs = collective_time(hw, "reduce_scatter", rs_bytes, self.g_shard)
@@ -268,6 +274,8 @@ class StageModel:
         if cfg.dp_replicate > 1:
             rs += collective_time(hw, "all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
             busy += collective_transfer(hw, "all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
+        if cfg.fsdp_once == "gather":
+            busy /= self.M
         return ag, rs, busy
 
     def _eager_tp_overhead(self, linears: int, sequence_ops: int) -> float:
@@ -344,12 +352,8 @@ class StageModel:
         p_local = prof.params_vocab / tp + prof.params_rep
         if name == "post":  # the last stage's copy of a head tied to the embedding
             p_local += tied_vocab / tp + tied_rep
-        ag, rs, busy = self._fsdp_collectives(p_local, cfg.fsdp_once != "gather")
-        fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag + rs - ct.bwd)
-        if cfg.fsdp_once == "gather":
-            fsdp, busy = (max(0.0, ag - ct.fwd) + max(0.0, rs - ct.bwd)) / self.M, busy / self.M
-        elif cfg.fsdp_once:
-            fsdp = max(0.0, ag - ct.fwd) + max(0.0, ag - ct.bwd) + max(0.0, rs - ct.bwd) / self.M
+        ag, rs, busy = self._fsdp_collectives(p_local, True)  # the embedding and head reshard
+        fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd, True)
         tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
                    for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
         saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
@@ -573,7 +577,7 @@ class StageModel:
                         "why": "FSDP gradient reduce per layer"})
             if cfg.dp_replicate > 1:
                 out.append({"kind": "all_reduce", "group": "dp_replicate", "group_size": cfg.dp_replicate,
-                            "bytes": p / ctx.act_bytes * 4 / cfg.dp_shard, "count": n * M,
+                            "bytes": p / ctx.act_bytes * 4 / cfg.dp_shard, "count": n * (1 if cfg.fsdp_once else M),
                             "why": "HSDP gradient all-reduce across replicas"})
         elif cfg.dp > 1:
             p = max(self.rank_params(r) for r in range(cfg.pp))
