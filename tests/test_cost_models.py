@@ -238,3 +238,14 @@ def test_fsdp_once_per_step_counts_and_memory(llama8b, once):
     assert per_step.breakdown["fsdp_comm"] < per_mb.breakdown["fsdp_comm"]
     assert per_step.memory_breakdown["unsharded_params"] > per_mb.memory_breakdown["unsharded_params"]
     assert "once=" + once in per_step.config.short()
+
+
+def test_fsdp_keeps_a_size_one_leading_dim_whole():
+    """A gate Linear(h, 1)'s (1, h) weight stays whole (split on dim 1, its bucketed gather broke
+    in a view); other weights split on their first dim that divides."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.passes.fsdp import dp_placements
+
+    got = dp_placements([(1, 64), (64, 1), (8, 64)], {}, 4, True)
+    assert got == {0: Replicate(), 1: Shard(0), 2: Shard(0)}
