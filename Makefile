@@ -22,10 +22,17 @@ test: $(VENV)/.installed
 parity: $(VENV)/.installed
 	$(PY) -m bench.parity_matrix
 
-bench: $(VENV)/.installed
+# torchtitan (the alternative bench/step_ratio.py measures against), without its dependencies.
+$(VENV)/.bench-deps: $(VENV)/.installed bench/torchtitan_deps.txt
+	$(PY) -m pip install -q --no-deps $(FIND_LINKS) -r bench/torchtitan_deps.txt
+	touch $@
+
+bench-deps: $(VENV)/.bench-deps
+
+bench: $(VENV)/.bench-deps
 	$(PY) -m bench.run_all
 
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench.run_all --quick
 
-.PHONY: install demo test parity bench bench-quick
+.PHONY: install demo test parity bench bench-deps bench-quick
