@@ -86,8 +86,8 @@ def profile_model(
         _profile_cache_put(key, prof)
     if not prof.blocks:
         raise AutoparError(
-            f"{name} has no repeated blocks (no nn.ModuleList/Sequential of identical layers); autopar "
-            "plans models built from a stack of layers"
+            f"{name} has no repeated blocks (no two or more modules of one class with the same parameter "
+            "shapes, in whatever container): autopar plans models built from a stack of identical layers"
         )
     return Profiled(prof, name, time.perf_counter() - t0, notes)
 

@@ -193,6 +193,10 @@ API_CASES = [
     # Routed experts that score with a sigmoid: the fixed-shape form would train another model.
     ("moe_routing_autopar_does_not_know", lambda: (_sigmoid_moe(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      AutoparError, r"mixture-of-experts block 1 \(SigmoidRouted\) does not compute what autopar's fixed-shape"),
+    # One embedding and one head: nothing repeats, so there is no layer to split or shard.
+    ("no_repeated_layers", lambda: (torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)), 1,
+                                    {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
+     AutoparError, r"has no repeated blocks \(no two or more modules of one class with the same parameter shapes"),
     ("buffers_updated_in_forward", lambda: (_BatchNormBlocks(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      TraceError, r"updates the buffer\(s\) bn.num_batches_tracked, bn.running_mean, bn.running_var.*LayerNorm"),
 ]
