@@ -99,11 +99,11 @@ def _measure(rank, world, port, cfgs, steps, compile):
                 dist.barrier()
                 if i == 0:  # setup and first step: where each side compiles; same weights on both sides
                     first[name] = (float(loss), setup[name] + time.perf_counter() - t0)
-                if name == "torchtitan":  # its trainer zeroes the gradients every step
-                    for p in titan.parameters():
-                        p.grad = None
                 if i >= 2:
                     times[name].append(time.perf_counter() - t0)
+                if name == "torchtitan":  # its trainer zeroes the gradients every step (untimed)
+                    for p in titan.parameters():
+                        p.grad = None
         # torchtitan's loss is this rank's share of the batch: the mean over ranks is the global mean
         titan_loss = torch.tensor(first["torchtitan"][0])
         dist.all_reduce(titan_loss)
