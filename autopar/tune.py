@@ -43,19 +43,30 @@ from autopar.cost_models.hardware import Hardware, load as load_hardware
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
+def _once(fn: Callable, sync: Callable, group) -> float:
+    """Seconds of one call of ``fn``, started with the ranks in step."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
 def _timeit(fn: Callable, reps: int, sync: Callable = lambda: None, group=None) -> float:
     """Median seconds of ``fn`` over ``reps`` runs after one warm-up, ranks in step."""
     fn()
     sync()
-    out = []
-    for _ in range(reps):
-        if dist.is_initialized():
-            dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
+    return statistics.median(_once(fn, sync, group) for _ in range(reps))
+
+
+def _paired_difference(fa: Callable, fb: Callable, reps: int, sync: Callable = lambda: None, group=None) -> float:
+    """Median over ``reps`` pairs of (seconds of ``fa`` - seconds of ``fb``), the two run back to
+    back in each pair, so that load from elsewhere on the machine hits both alike."""
+    for f in (fa, fb):  # warm-up
+        f()
         sync()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return statistics.median(_once(fa, sync, group) - _once(fb, sync, group) for _ in range(reps))
 
 
 def _sustained(fn: Callable, reps: int, sync: Callable, seconds: float = 0.2, group=None) -> float:
@@ -120,10 +131,13 @@ def _dtensor_overhead(group, device, sync, reps: int) -> tuple[float, float]:
         return lambda: m(x).sum().backward()
 
     n = 4 * reps
-    t_ref = _timeit(fwd_bwd(ref), n, sync, group)
-    t_tp = _timeit(fwd_bwd(tp), n, sync, group)
-    t_ar = _timeit(lambda: dist.all_reduce(y, group=group), n, sync, group)
-    per_linear = max(0.0, (t_tp - t_ref - 2 * t_ar) / 2)  # forward: the row's reduce; backward: the column input's
+
+    def plain_and_reduces():  # what TP adds to the plain MLP: the row's reduce (forward), the column input's (backward)
+        fwd_bwd(ref)()
+        dist.all_reduce(y, group=group)
+        dist.all_reduce(y, group=group)
+
+    per_linear = max(0.0, _paired_difference(fwd_bwd(tp), plain_and_reduces, n, sync, group) / 2)
     # A norm-like chain (mul, mean, add: 12 ops) on a sequence-sharded DTensor against plain tensors.
     def chain(y):
         for _ in range(4):
@@ -132,9 +146,9 @@ def _dtensor_overhead(group, device, sync, reps: int) -> tuple[float, float]:
 
     xs = DTensor.from_local(x.detach(), mesh, [Shard(1)], run_check=False).requires_grad_()
     xl = x.detach().requires_grad_()
-    t_dt = _timeit(lambda: chain(xs).to_local().sum().backward(), n, sync, group)
-    t_local = _timeit(lambda: chain(xl).sum().backward(), n, sync, group)
-    return per_linear, max(0.0, t_dt - t_local) / 12
+    sp = _paired_difference(lambda: chain(xs).to_local().sum().backward(), lambda: chain(xl).sum().backward(),
+                            n, sync, group)
+    return per_linear, max(0.0, sp) / 12
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:

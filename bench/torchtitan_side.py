@@ -67,14 +67,11 @@ def build_llama3(tp: int = 1, sp: bool = False, dp_shard: int = 1, seed: int = 0
     import torchtitan.models.llama3 as L
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    real = L.get_attention_config
-    L.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
-    try:
-        layers = L._build_llama3_layers(
-            fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
-            rope=L.ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0), attn_backend="sdpa")
-    finally:
-        L.get_attention_config = real
+    layers = L._build_llama3_layers(
+        fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
+        rope=L.ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0), attn_backend="flex")
+    for layer in layers:  # causal SDPA in place of the language-model default (FlexAttention)
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg = L.Llama3Model.Config(
         dim=DIM, vocab_size=VOCAB, layers=layers,
         tok_embeddings=L.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=L._EMBEDDING_INIT),

@@ -72,9 +72,9 @@ def test_calibrate_command_four_processes(tmp_path):
     # Four processes share this machine's cores when it has fewer than four (one thread each).
     slots = min(4, os.cpu_count() or 1)
     assert hw.compute_slots == (slots if slots < 4 else 0)
-    # Measured differences of timings, clamped at 0: under load (another launch on the same two
-    # cores) the DTensor overhead can drown in the noise, so only their sign is checked.
-    assert hw.tp_linear_us >= 0 and hw.sp_op_us >= 0 and hw.pp_microbatch_us >= 0
+    # Eager DTensor costs about a millisecond per TP linear on this CPU: it must be measured (the
+    # TP and plain runs are timed in back-to-back pairs, so load from elsewhere hits both alike).
+    assert hw.tp_linear_us > 0 and hw.sp_op_us >= 0 and hw.pp_microbatch_us >= 0
     assert len(hw.bandwidth_curve) >= 1 and all(b > 0 for _, b in hw.bandwidth_curve)
     assert "eager overheads" in r.stdout
 
