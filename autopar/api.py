@@ -43,9 +43,11 @@ class Profiled:
 
 def profile_model(
     model: Any, *, seq_len: int | None = None, example_inputs: tuple | None = None,
-    precision: str = "bf16", loss_fn: Callable | None = None,
+    precision: str = "bf16", loss_fn: Callable | None = None, step: capture.StepGraph | None = None,
 ) -> Profiled:
-    """Trace and analyse ``model``: an ``nn.Module``, a preset name, a model source or a factory."""
+    """Trace and analyse ``model``: an ``nn.Module``, a preset name, a model source or a factory.
+    ``step``: the module's training step already traced at ``example_inputs`` (what the executor
+    runs), which the analysis then reads instead of tracing again."""
     t0 = time.perf_counter()
     if isinstance(model, str):
         model = models.resolve(model, seq_len=seq_len)
@@ -79,7 +81,10 @@ def profile_model(
         dtype = next(build.parameters()).dtype
     key = _profile_key(model, batch, seq_len, dtype) if example_inputs is None and loss_fn is None else None
     prof = _profile_cache_get(key)
-    if prof is None:
+    if prof is None and step is not None:
+        prof = analysis.analyze(capture.model_trace(step, build, name=name, batch=batch, seq_len=seq_len, dtype=dtype,
+                                                    vocab_size=vocab, t0=t0))
+    elif prof is None:
         tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
                                  loss_fn=loss_fn, name=name, example_inputs=example_inputs)
         prof = analysis.analyze(tr)
@@ -673,7 +678,12 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
     capture.check_routed_experts(model)  # before the fixed-shape experts form trains anything
-    prof = profile_model(model, example_inputs=example_inputs, precision=model_precision(model), loss_fn=loss_fn)
+    # One capture: the training step is traced once; the planner analyses this graph and, when the
+    # plan runs the whole batch at once, the executor runs it.
+    loss_fn = loss_fn or capture.default_loss
+    step = capture.trace_step(model, (ids,), target=torch.zeros_like(ids), loss_fn=loss_fn, name=type(model).__name__)
+    prof = profile_model(model, example_inputs=example_inputs, precision=model_precision(model), loss_fn=loss_fn,
+                         step=step)
     tuning = None
     if tune:
         from autopar import tune as tune_mod
@@ -699,7 +709,6 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
     if device == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    loss_fn = loss_fn or capture.default_loss
     if p.pp > 1:
         pm = _compile_pipeline(model, p, dmesh, ids, loss_fn, prof.source_name, inductor=compile,
                                disabled=set(disable_passes))
@@ -707,7 +716,8 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         return pm
     mb_ids = ids[: p.mb]
     mb_tgt = torch.zeros_like(mb_ids)
-    sg = capture.trace_step(model, (mb_ids,), target=mb_tgt, loss_fn=loss_fn, name=prof.source_name)
+    sg = step if p.mb == ids.shape[0] else capture.trace_step(model, (mb_ids,), target=mb_tgt, loss_fn=loss_fn,
+                                                                name=prof.source_name)
     lay, rules = _layout(sg, p, dmesh)
     from autopar.passes.tp import placement_str
 

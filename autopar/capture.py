@@ -1,22 +1,21 @@
-"""Capture: trace a model to ATen-level FX graphs on fake tensors, without allocating weights.
+"""Capture: trace a model's training step to one ATen-level FX graph on fake tensors, without
+allocating weights. The executor runs that graph; the planner's analysis reads it.
 
 Algorithm
 ---------
-1. Build (or take) the model under ``FakeTensorMode``: parameters are fake, nothing is allocated,
-   so a 405B model costs a few hundred MB of host memory.
-2. Find the *repeated blocks*: the longest ``nn.ModuleList``/``nn.Sequential`` whose children share
-   a class and a parameter-shape signature (transformer layers). Blocks with different signatures
-   are grouped, one group per signature.
-3. Run one forward (+ loss) of the whole model on fake inputs. Forward pre-hooks capture the inputs
-   of the first block of each signature; a ``TorchDispatchMode`` records every ATen op *outside*
-   the blocks (embedding, final norm, output head, loss) with its FLOPs and bytes, and a
-   ``saved_tensors_hooks`` records what those ops keep for backward.
-4. Trace the first block of each signature with ``make_fx`` (parameters as graph inputs) on the
-   captured inputs. Each node carries ``meta['val']`` (a fake tensor); a ``saved_tensors_hooks``
-   active during tracing marks which node outputs autograd keeps for backward.
-
-Because each distinct block is traced once, capture time hardly grows with the layer count: the
-only per-layer cost is one fake forward, a few milliseconds per layer.
+1. Build (or take) the model; ``trace_model`` builds a preset or config under ``FakeTensorMode``:
+   parameters are fake, nothing is allocated, so a 405B model costs a few hundred MB of host memory.
+2. Find the *repeated layers* (``find_layers``): the largest group of modules that share a class and
+   a parameter-shape signature, in whatever container (transformer layers).
+3. ``trace_step``: ``make_fx`` of the forward and the loss of the whole model as a function of its
+   parameters, buffers and inputs. Forward hooks annotate every node with the module that made it
+   and the index of the layer it belongs to (``meta['custom']``); a ``saved_tensors_hooks`` records
+   which node outputs autograd keeps for backward, and in which layer. For planning alone
+   (``first_layers_only``) only the first layer runs and the others pass its output on, so
+   capture time hardly grows with the layer count.
+4. ``model_trace`` cuts what the analysis reads from that graph: the first layer's nodes as a graph
+   of their own (parameters and other inputs as placeholders, what autograd saved in it), and every
+   op outside the layers with its FLOPs and bytes, before ("pre") or after ("post") them.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import torch.nn.functional as F
 
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autopar.errors import TraceError
@@ -142,35 +140,6 @@ def find_block_container(model: nn.Module) -> tuple[str, list[tuple[str, nn.Modu
     return ".".join(prefix), [(n, mods[n]) for n in layers]
 
 
-class _OutsideRecorder(TorchDispatchMode):
-    """Records ATen ops while no block is running; maps output storages to their producer."""
-
-    def __init__(self):
-        super().__init__()
-        self.active = True
-        self.segment = "pre"
-        self.ops: list[OpRecord] = []
-        self.producer: dict[StorageWeakRef, str] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.active:
-            name = op_name(func)
-            ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-            nbytes = 0 if name in VIEW_OPS else sum(map(tensor_bytes, ins + outs))
-            self.ops.append(
-                OpRecord(
-                    name, self.segment, op_flops(func, args, kwargs, out), nbytes,
-                    [tuple(o.shape) for o in outs], [tuple(i.shape) for i in ins],
-                )
-            )
-            for o in outs:
-                self.producer.setdefault(StorageWeakRef(o.untyped_storage()), name)
-        return out
-
-
 def logits_of(out: Any) -> torch.Tensor:
     """The logits tensor of a model output: a tensor, an HF ModelOutput, or a tuple."""
     if isinstance(out, torch.Tensor):
@@ -241,14 +210,23 @@ def trace_model(
     # Tracing runs the model's Python code; an in-place update of a real buffer (a counter)
     # would happen for real: keep their values and put them back.
     kept = [(b, b.detach().clone()) for b in model.buffers() if not isinstance(b, FakeTensor) and b.device.type != "meta"]
+    if vocab_size is None:
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        vocab_size = max((e.num_embeddings for e in embs), default=256)
+    if example_inputs is None:
+        inputs: tuple = (torch.randint(0, vocab_size, (batch, seq_len)),)
+    else:
+        inputs = tuple(example_inputs)
+    target = torch.randint(0, vocab_size, tuple(inputs[0].shape[:2]))
     try:
-        return with_export_path_fallback(lambda: _trace_model(
-            model, mode, batch=batch, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype, loss_fn=loss_fn,
-            name=name, example_inputs=example_inputs, t0=t0), target_kernels=True, model=model)
+        sg = trace_step(model, inputs, target=target, loss_fn=loss_fn, name=name, first_layers_only=True,
+                        target_kernels=True)
     finally:
         with torch.no_grad():
             for b, v in kept:
                 b.copy_(v)
+    return model_trace(sg, model, name=name, batch=batch, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size,
+                       t0=t0)
 
 
 def _data_dependent(e: BaseException) -> bool:
@@ -509,174 +487,6 @@ class _TargetKernels(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _trace_model(model, mode, *, batch, seq_len, vocab_size, dtype, loss_fn, name, example_inputs, t0) -> ModelTrace:
-    container, members = find_block_container(model)
-    by_sig: dict[str, list[tuple[str, nn.Module]]] = {}
-    for fqn, m in members:
-        by_sig.setdefault(_signature(m), []).append((fqn, m))
-    block_fqns = {fqn for fqn, _ in members}
-
-    if vocab_size is None:
-        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-        vocab_size = max((e.num_embeddings for e in embs), default=256)
-
-    captured: dict[str, tuple[tuple, dict]] = {}
-    recorder = _OutsideRecorder()
-    depth = [0]
-    handles = []
-    for sig, insts in by_sig.items():
-        first = insts[0][1]
-
-        def pre(mod, args, kwargs, sig=sig, first=first):
-            if sig not in captured:
-                captured[sig] = (args, kwargs)
-            return None
-
-        handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
-    # Only the first block of each signature runs: the others pass its output on, which has the
-    # right shape and type for the rest of the model (what the outside ops and the loss need).
-    last_out: dict[str, Any] = {}
-    patched = []
-    for sig, insts in by_sig.items():
-        first = insts[0][1]
-
-        def remember(mod, args, out, sig=sig):
-            last_out[sig] = out
-
-        handles.append(first.register_forward_hook(remember))
-        for _, inst in insts[1:]:
-            def passthrough(*a, sig=sig, **k):
-                return last_out[sig]
-
-            inst.forward = passthrough
-            patched.append(inst)
-    for fqn, m in members:
-        def enter(mod, args):
-            depth[0] += 1
-            recorder.active = False
-
-        def leave(mod, args, out):
-            depth[0] -= 1
-            recorder.active = depth[0] == 0
-            recorder.segment = "post"
-
-        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
-
-    saved: list[SavedRecord] = []
-    param_storages = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
-    seen: set = set()
-
-    def pack(t):
-        if recorder.active and isinstance(t, torch.Tensor):
-            ref = StorageWeakRef(t.untyped_storage())
-            if ref not in param_storages and ref not in seen:
-                seen.add(ref)
-                saved.append(
-                    SavedRecord(
-                        t.untyped_storage().nbytes(), recorder.segment,
-                        recorder.producer.get(ref, "input"), tuple(t.shape),
-                    )
-                )
-        return t
-
-    try:
-        with mode:
-            if example_inputs is None:
-                tokens = torch.randint(0, vocab_size, (batch, seq_len))
-                inputs: tuple = (tokens,)
-            else:
-                inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-                tokens = inputs[0]
-            target = torch.randint(0, vocab_size, tuple(tokens.shape[:2]))
-            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model(*inputs)
-                loss = (loss_fn or default_loss)(out, target)
-            del loss, out
-    except TraceError:
-        raise
-    except Exception as e:
-        raise _trace_error(e, f"the forward of {name}") from e
-    finally:
-        for h in handles:
-            h.remove()
-        for inst in patched:
-            del inst.forward
-
-    blocks = []
-    for sig, insts in by_sig.items():
-        if sig not in captured:
-            raise TraceError(f"block {insts[0][0]} was never called in the forward of {name}")
-        blocks.append(_trace_block(mode, sig, insts, *captured[sig]))
-
-    params: dict[str, tuple[tuple[int, ...], str]] = {}
-    tied: list[tuple[str, str]] = []
-    by_id: dict[int, str] = {}
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in by_id:
-            tied.append((by_id[id(p)], pname))
-            continue
-        by_id[id(p)] = pname
-        owner = next((b for b in block_fqns if pname.startswith(b + ".")), None)
-        params[pname] = (tuple(p.shape), owner or "outside")
-    module_types = {n: type(m).__name__ for n, m in model.named_modules()}
-    fp_src = repr(sorted((k, v[0]) for k, v in params.items())) + repr(sorted(set(module_types.values())))
-    return ModelTrace(
-        name=name, batch=batch, seq_len=seq_len, dtype=dtype, blocks=blocks,
-        block_container=container, ops=recorder.ops, saved=saved, params=params, tied=tied,
-        module_types=module_types, capture_s=time.perf_counter() - t0, fingerprint_src=fp_src,
-        extras={"vocab_size": vocab_size},
-    )
-
-
-def _trace_block(mode: "FakeTensorMode", sig: str, insts: list, args: tuple, kwargs: dict) -> BlockTrace:
-    fqn, block = insts[0]
-    names = [n for n, _ in block.named_parameters()]
-    plist = [p for _, p in block.named_parameters()]
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    tensors = [flat[i] for i in tensor_pos]
-    hidden_idx = [j for j, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()]
-    saved_refs: set = set()
-
-    def pack(t):
-        saved_refs.add(StorageWeakRef(t.untyped_storage()))
-        return t
-
-    def fn(params, *ts):
-        leaves = list(flat)
-        for i, t in zip(tensor_pos, ts):
-            leaves[i] = t
-        a, kw = pytree.tree_unflatten(leaves, spec)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return torch.func.functional_call(block, dict(zip(names, params)), a, kw)
-
-    try:
-        with mode:
-            # Fresh leaves so the trace starts at the block boundary.
-            ts = [t.detach().requires_grad_(j in hidden_idx) for j, t in enumerate(tensors)]
-            ps = [p.detach().requires_grad_(True) for p in plist]
-            from torch.fx.experimental.proxy_tensor import make_fx
-
-            with fx_traceback.preserve_node_meta():  # keeps the routed experts' moe_active marks
-                gm = make_fx(fn)(ps, *ts)
-    except Exception as e:
-        raise _trace_error(e, f"block {fqn} ({type(block).__name__})") from e
-    saved_nodes = set()
-    first_by_storage: dict[StorageWeakRef, str] = {}
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            first_by_storage.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
-    for ref in saved_refs:
-        if ref in first_by_storage:
-            saved_nodes.add(first_by_storage[ref])
-    return BlockTrace(
-        signature=sig, cls_name=type(block).__name__, fqns=[f for f, _ in insts], gm=gm,
-        param_names=names, param_shapes={n: tuple(p.shape) for n, p in zip(names, plist)},
-        hidden_input_idx=hidden_idx, saved_nodes=saved_nodes,
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # The training step as one graph (what the executor runs)
 # --------------------------------------------------------------------------------------------
@@ -724,6 +534,9 @@ class StepGraph:
     input_shapes: list[tuple[int, ...]]
     output_type: Any = None  # the model output's class when it is not a tensor (HF ModelOutput)
     final: bool = True  # its outputs are the model's (False for all but the last pipeline stage)
+    # What autograd saves for backward, in order: (the first node holding the saved storage, the
+    # layer whose forward saved it or None outside the layers, whether a layer had started).
+    saved: list[tuple[str, int | None, bool]] = field(default_factory=list)
 
     @property
     def n_params(self) -> int:
@@ -756,7 +569,14 @@ def _module_annotations(model: nn.Module, layers: list[str]):
                 stack.pop().__exit__(None, None, None)
 
         handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-    return handles
+
+    class _Unwind:  # a forward that raised leaves its annotations open: close them, innermost first
+        @staticmethod
+        def remove():
+            while stack:
+                stack.pop().__exit__(None, None, None)
+
+    return [_Unwind, *handles]
 
 
 def _mutated_inputs(gm: torch.fx.GraphModule, n_params: int, bnames: list[str]) -> list[str]:
@@ -783,10 +603,16 @@ def _mutated_inputs(gm: torch.fx.GraphModule, n_params: int, bnames: list[str]) 
 
 def trace_step(
     model: nn.Module, inputs: tuple, *, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
-    name: str = "model",
+    name: str = "model", first_layers_only: bool = False, target_kernels: bool = False,
 ) -> StepGraph:
     """Trace ``model``'s forward on ``inputs`` (and the loss against ``target`` when given) to one
-    ATen graph, on fake tensors: nothing is computed and no memory of the model's size is used."""
+    ATen graph, on fake tensors: nothing is computed and no memory of the model's size is used.
+
+    This is the one capture: the executor runs this graph, and the planner's analysis reads it
+    (``model_trace``). ``first_layers_only`` (planning without running, e.g. 126 layers) traces
+    only the first of the repeated layers; the others pass its output on, which has the right
+    shape for everything after them. ``target_kernels`` prices what the target GPU runs rather
+    than this host (``_TargetKernels``)."""
     pnames, params, aliases = [], [], {}
     by_id: dict[int, str] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
@@ -799,44 +625,74 @@ def trace_step(
     bnames = [n for n, _ in model.named_buffers()]
     buffers = [b for _, b in model.named_buffers()]
     # Everything enters the trace as fake tensors of the global shapes (parameters may already be
-    # DTensor shards: the step is traced as the single-device model).
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    # DTensor shards: the step is traced as the single-device model). Parameters that train
+    # require grad, so what autograd saves for backward is seen.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fresh(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        if isinstance(t, FakeTensor) or t.device.type == "meta":
+            with mode:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(grad)
+        return mode.from_tensor(t)
+
     with mode:
-        params = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device) for p in params]
-    buffers = [mode.from_tensor(b) for b in buffers]
-    inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
-    target = mode.from_tensor(target) if target is not None else None
+        params = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device).requires_grad_(
+            p.requires_grad and p.is_floating_point()) for p in params]
+    buffers = [fresh(b) for b in buffers]
+    inputs = tuple(fresh(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+    target = fresh(target) if target is not None else None
     layers = find_layers(model)
+    mods = dict(model.named_modules())
     box: dict = {}
+    packed: list[tuple[Any, int | None, bool]] = []
+
+    def pack(t):
+        if isinstance(t, torch.Tensor):
+            packed.append((StorageWeakRef(t.untyped_storage()), fx_traceback.current_meta.get("custom", {}).get("layer"),
+                           "entered" in box))
+        return t
 
     def step(ps, bs, xs, *tgt):
         state = {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}
         for first, others in aliases.items():
             state.update({o: state[first] for o in others})
-        out = torch.func.functional_call(model, state, tuple(xs), tie_weights=False)
-        if tgt:
-            return (loss_fn or default_loss)(out, tgt[0])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(model, state, tuple(xs), tie_weights=False)
+            if tgt:
+                return (loss_fn or default_loss)(out, tgt[0])
         if not isinstance(out, torch.Tensor):
             box["type"] = type(out)
         return logits_of(out)
 
     def trace():
+        packed.clear()
+        box.clear()
         handles = _module_annotations(model, layers)
+        if layers:
+            handles.append(mods[layers[0]].register_forward_pre_hook(lambda *_: box.__setitem__("entered", True)))
+        undo = _pass_on_repeats(model, layers) if first_layers_only else []
         try:
             with fx_traceback.preserve_node_meta():
                 from torch.fx.experimental.proxy_tensor import make_fx
 
-                return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-                    params, buffers, list(inputs), *([target] if target is not None else []))
+                try:
+                    return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                        params, buffers, list(inputs), *([target] if target is not None else []))
+                finally:
+                    handles[0].remove()  # inside preserve_node_meta, which restores what they changed
         except Exception as e:
             raise _trace_error(e, f"the training step of {name}") from e
         finally:
             for h in handles:
                 h.remove()
+            for u in undo:
+                u()
 
-    gm = with_export_path_fallback(trace, model=model)
+    gm = with_export_path_fallback(trace, model=model, target_kernels=target_kernels)
+    for ph, p in zip(gm.graph.find_nodes(op="placeholder"), params):
+        ph.meta["trained"] = p.requires_grad
     mutated = _mutated_inputs(gm, len(pnames), bnames)
     if mutated:
         raise TraceError(
@@ -845,6 +701,174 @@ def trace_step(
             "values from a different share of the batch, so it would not be the same model. Use a normalisation "
             "without running state (LayerNorm, RMSNorm, GroupNorm), or keep the buffer out of training "
             "(track_running_stats=False); the model was not changed")
+    first_by_storage: dict = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            first_by_storage.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
+    saved, seen = [], set()
+    for ref, layer, entered in packed:
+        if ref in first_by_storage and (ref, layer) not in seen:
+            seen.add((ref, layer))
+            saved.append((first_by_storage[ref], layer, entered))
     out_type = box.get("type")
     return StepGraph(gm, pnames, aliases, bnames, len(inputs), target is not None, layers,
-                     [tuple(x.shape) for x in inputs], out_type)
+                     [tuple(x.shape) for x in inputs], out_type, saved=saved)
+
+
+def _pass_on_repeats(model: nn.Module, layers: list[str]) -> list[Callable[[], None]]:
+    """Make every repeated layer but the first return the first one's output (same shapes and
+    types), so a trace holds one layer; returns what undoes it."""
+    if len(layers) < 2:
+        return []
+    mods = dict(model.named_modules())
+    last: dict = {}
+    hook = mods[layers[0]].register_forward_hook(lambda mod, args, out: last.__setitem__("out", out))
+    undo: list[Callable[[], None]] = [hook.remove]
+    for name in layers[1:]:
+        m = mods[name]
+        own = m.__dict__.get("forward")  # an instance-level forward of the user's (a hook's patch)
+        m.forward = lambda *a, **k: last["out"]
+        undo.append(lambda m=m, own=own: m.__dict__.pop("forward") if own is None else setattr(m, "forward", own))
+    return undo
+
+
+def model_trace(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_len: int, dtype: torch.dtype,
+                vocab_size: int | None = None, t0: float | None = None) -> ModelTrace:
+    """What the planner's analysis reads, cut from the step graph ``sg`` of ``model``: the graph
+    of the first instance of the repeated layers (its parameters, then its other inputs, as
+    placeholders) with what autograd saves in it, and every op outside the layers with its FLOPs
+    and bytes ("pre" before the first layer, "post" after it)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    container, members = find_block_container(model)
+    if vocab_size is None:
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        vocab_size = max((e.num_embeddings for e in embs), default=256)
+    gm = sg.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    layer_of = {n.name: n.meta.get("custom", {}).get("layer") for n in gm.graph.nodes}
+    phs = sg.placeholders()
+    param_nodes = set(phs[: sg.n_params])
+
+    ops: list[OpRecord] = []
+    segment = "pre"
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if layer_of[n.name] is not None:
+            segment = "post"
+            continue
+        op = op_name(n.target)
+        if op == "getitem":
+            continue
+        args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), (n.args, n.kwargs))
+        out = n.meta.get("val")
+        ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        nbytes = 0 if op in VIEW_OPS else sum(map(tensor_bytes, ins + outs))
+        ops.append(OpRecord(op, segment, op_flops(n.target, args, kwargs, out), nbytes,
+                            [tuple(o.shape) for o in outs], [tuple(i.shape) for i in ins]))
+    saved = []
+    for node_name, layer, entered in sg.saved:
+        node = nodes[node_name]
+        if layer is not None or node in param_nodes:
+            continue
+        v = node.meta["val"]
+        saved.append(SavedRecord(v.untyped_storage().nbytes(), "post" if entered else "pre",
+                                 "input" if node.op == "placeholder" else op_name(node.target), tuple(v.shape)))
+
+    by_sig: dict[str, list[tuple[str, nn.Module]]] = {}
+    for fqn, m in members:
+        by_sig.setdefault(_signature(m), []).append((fqn, m))
+    index = {fqn: i for i, fqn in enumerate(sg.layers)}
+    blocks = [_layer_graph(sg, index[insts[0][0]], insts) for insts in by_sig.values()]
+
+    block_fqns = {fqn for fqn, _ in members}
+    params: dict[str, tuple[tuple[int, ...], str]] = {}
+    tied: list[tuple[str, str]] = []
+    by_id: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            tied.append((by_id[id(p)], pname))
+            continue
+        by_id[id(p)] = pname
+        owner = next((b for b in block_fqns if pname.startswith(b + ".")), None)
+        params[pname] = (tuple(p.shape), owner or "outside")
+    module_types = {n: type(m).__name__ for n, m in model.named_modules()}
+    fp_src = repr(sorted((k, v[0]) for k, v in params.items())) + repr(sorted(set(module_types.values())))
+    return ModelTrace(
+        name=name, batch=batch, seq_len=seq_len, dtype=dtype, blocks=blocks,
+        block_container=container, ops=ops, saved=saved, params=params, tied=tied,
+        module_types=module_types, capture_s=time.perf_counter() - t0, fingerprint_src=fp_src,
+        extras={"vocab_size": vocab_size},
+    )
+
+
+def _layer_graph(sg: StepGraph, layer: int, insts: list[tuple[str, nn.Module]]) -> BlockTrace:
+    """The nodes of layer ``layer`` of ``sg`` as a graph of their own: a placeholder for each of
+    the layer's parameters (in ``named_parameters`` order), then one for each other value it
+    reads (the hidden state, rotary tables, masks); ``hidden_input_idx`` marks those computed
+    from trained parameters (the residual stream)."""
+    fqn, block = insts[0]
+    gm = sg.gm
+    phs = sg.placeholders()
+    by_name = {n: phs[i] for i, n in enumerate(sg.param_names)}
+    for first, others in sg.aliases.items():
+        by_name.update({o: by_name[first] for o in others})
+    names = [n for n, _ in block.named_parameters()]
+    shapes = {n: tuple(p.shape) for n, p in block.named_parameters()}
+    inside = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("custom", {}).get("layer") == layer]
+    if not inside:
+        raise TraceError(f"layer {fqn} ({type(block).__name__}) made no operations in the traced step")
+    inside_set = set(inside)
+    trained = {ph for ph in phs[: sg.n_params] if ph.meta.get("trained")}
+    for n in gm.graph.nodes:  # what depends on a trained parameter
+        if n.op == "call_function" and any(a in trained for a in n.all_input_nodes):
+            trained.add(n)
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for rel in names:
+        ph = g.placeholder(rel.replace(".", "_"))
+        src = by_name[f"{fqn}.{rel}"]
+        ph.meta["val"] = src.meta["val"]
+        env.setdefault(src, ph)
+    extra: list[torch.fx.Node] = []
+    for n in inside:
+        for a in n.all_input_nodes:
+            if a not in inside_set and a not in env:
+                extra.append(a)
+                env[a] = None  # placeholder made below, after the parameters
+    hidden_idx = []
+    for j, a in enumerate(extra):
+        if a.op == "get_attr":
+            env[a] = g.get_attr(a.target)
+        else:
+            env[a] = g.placeholder(f"in_{j}_{a.name}")
+        env[a].meta = dict(a.meta)
+        v = a.meta.get("val")
+        if a in trained and isinstance(v, torch.Tensor) and v.is_floating_point():
+            hidden_idx.append(j)
+    for n in inside:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    outs = [env[n] for n in inside if any(u not in inside_set for u in n.users)]
+    g.output(tuple(outs))
+    lgm = torch.fx.GraphModule(gm, g)
+    # What autograd saved while this layer ran, as nodes of the new graph (the first holding
+    # the storage: a saved view of the layer's input is its placeholder).
+    first_by_storage: dict = {}
+    for n in g.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            first_by_storage.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    saved_nodes = set()
+    for node_name, lay, _ in sg.saved:
+        v = nodes[node_name].meta.get("val")
+        if lay == layer and isinstance(v, torch.Tensor):
+            ref = StorageWeakRef(v.untyped_storage())
+            if ref in first_by_storage:
+                saved_nodes.add(first_by_storage[ref])
+    return BlockTrace(
+        signature=_signature(block), cls_name=type(block).__name__, fqns=[f for f, _ in insts], gm=lgm,
+        param_names=names, param_shapes=shapes, hidden_input_idx=hidden_idx, saved_nodes=saved_nodes,
+    )

@@ -1,0 +1,72 @@
+"""One capture: the planner's analysis reads the graph the executor runs."""
+
+import numpy as np
+import pytest
+import torch
+
+from autopar import analysis, capture
+
+
+def _profile_from(sg, m, batch, seq):
+    return analysis.analyze(capture.model_trace(sg, m, name="m", batch=batch, seq_len=seq, dtype=torch.float32))
+
+
+def _same(a: analysis.ModelProfile, b: analysis.ModelProfile) -> None:
+    assert len(a.blocks) == len(b.blocks) == 1
+    x, y = a.blocks[0], b.blocks[0]
+    assert x.costs.names == y.costs.names
+    for f in ("flops", "act_bytes", "weight_bytes", "kind", "tp", "causal", "recompute_selective"):
+        np.testing.assert_array_equal(getattr(x.costs, f), getattr(y.costs, f), err_msg=f)
+    assert x.saved == y.saved and x.hidden_bytes == y.hidden_bytes
+    assert (x.params_tp, x.params_rep, x.tp_divisors, x.heads, x.kv_heads) == (y.params_tp, y.params_rep, y.tp_divisors,
+                                                                             y.heads, y.kv_heads)
+    assert sorted((l.weight, l.role, l.partners) for l in x.linears) == sorted((l.weight, l.role, l.partners)
+                                                                               for l in y.linears)
+    for seg in ("pre", "post"):
+        p, q = getattr(a, seg), getattr(b, seg)
+        assert p.costs.names == q.costs.names
+        np.testing.assert_array_equal(p.costs.flops, q.costs.flops)
+        assert (p.params_vocab, p.params_rep, p.saved_vocab, p.saved_rep) == (q.params_vocab, q.params_rep,
+                                                                              q.saved_vocab, q.saved_rep)
+
+
+@pytest.mark.parametrize("kind", ["llama-tiny-4layers", "hf-gpt2", "hf-phi3", "custom-llama"])
+def test_one_layer_priced_is_the_layer_that_runs(kind):
+    """The planner traces one instance of the repeated layers (the others pass its output on);
+    what it prices equals what it reads from the whole step graph the executor runs."""
+    from tests import zoo
+
+    torch.manual_seed(0)
+    m = zoo.build(kind)
+    ids = torch.randint(0, 200, (2, 16))
+    whole = capture.trace_step(m, (ids,), target=torch.ones_like(ids))
+    one = capture.trace_step(m, (ids,), target=torch.ones_like(ids), first_layers_only=True)
+    layer_nodes = lambda sg: {n.meta.get("custom", {}).get("layer") for n in sg.gm.graph.nodes} - {None}
+    assert layer_nodes(whole) == set(range(len(whole.layers))) and len(whole.layers) >= 2
+    assert layer_nodes(one) == {0}
+    assert len(one.gm.graph.nodes) < len(whole.gm.graph.nodes)
+    a, b = _profile_from(whole, m, 2, 16), _profile_from(one, m, 2, 16)
+    _same(a, b)
+    assert a.blocks[0].saved["none"][0] > 0  # autograd's saved tensors were seen inside the layer
+    assert any(l.role == "row" for l in a.blocks[0].linears)
+
+
+def test_compile_traces_the_step_once(monkeypatch):
+    """autopar.compile traces the training step once: the planner analyses that graph and the
+    executor runs it (a plan that runs the whole batch at once)."""
+    import autopar
+    from tests import zoo
+
+    calls = []
+    real = capture.trace_step
+    monkeypatch.setattr(capture, "trace_step", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(capture, "trace_model", lambda *a, **k: pytest.fail("the planner traced the model again"))
+    torch.manual_seed(0)
+    m = zoo.build("llama-tiny")
+    ids = torch.randint(0, 200, (2, 16))
+    with torch.no_grad():
+        ref = capture.default_loss(m(ids), ids)
+    pm = autopar.compile(m, 1, example_inputs=(ids,), compile=False)
+    assert len(calls) == 1 and not calls[0].get("first_layers_only")
+    loss = pm.step(ids, target=ids)
+    assert float(loss) == pytest.approx(float(ref), abs=1e-6)
