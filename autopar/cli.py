@@ -84,18 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _progress():
-    """A rich progress bar on stderr while the search runs (silent when stderr is not a terminal)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+class _Progress:
+    """A rich progress bar on stderr while the search runs, shown only when it runs long (after
+    ``after_s``) and stderr is a terminal; rich is imported then, not before."""
 
-    prog = Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.completed}/{task.total} configs"),
-                    TimeElapsedColumn(), transient=True, disable=not sys.stderr.isatty())
-    task = prog.add_task("search", total=None)
+    def __init__(self, after_s: float = 0.5):
+        import time
 
-    def update(done: int, total: int) -> None:
-        prog.update(task, completed=done, total=total)
+        self.clock, self.start, self.after_s = time.perf_counter, time.perf_counter(), after_s
+        self.bar = self.task = None
 
-    return prog, update
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if not sys.stderr.isatty() or self.clock() - self.start < self.after_s:
+                return
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("searching plans"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total} configs"), TimeElapsedColumn(), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("search", total=total)
+        self.bar.update(self.task, completed=done, total=total)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,9 +146,8 @@ def _run(args) -> int:
     common = dict(hardware=args.hardware, global_batch=args.global_batch, precision=args.precision,
                   memory_limit_gb=args.memory_limit_gb, seq_len=args.seq_len)
     if args.cmd == "explain":
-        prog, update = _progress()
-        with prog:
-            p = api.plan(args.model, args.gpus, pin=args.pin, top_k=args.top, progress=update, **common)
+        with _Progress() as prog:
+            p = api.plan(args.model, args.gpus, pin=args.pin, top_k=args.top, progress=prog.update, **common)
     else:
         p, _, _ = api.estimate_plan(args.model, args.gpus, args.plan, **common)
     if args.output:

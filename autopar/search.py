@@ -8,7 +8,7 @@ HSDP when smaller, reshard after forward or not), microbatch size ``mb | B/dp``,
 virtual stages. Pins remove whatever they fix. Each such *configuration* ``c`` has a
 ``StageModel`` whose per-layer coefficients do not depend on how layers are placed.
 
-**Inner (MILP, HiGHS via ``scipy.optimize.milp``).** For configuration ``c`` with ``pp`` ranks,
+**Inner (MILP, HiGHS through ``highspy``).** For configuration ``c`` with ``pp`` ranks,
 ``L`` layers and ``M`` microbatches, integer variables per rank ``r``: ``n_r`` layers, of which
 ``s_r`` use selective and ``f_r`` full AC; a continuous ``z`` for the bottleneck::
 
@@ -193,15 +193,6 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
     return out
 
 
-def _affine(sm: StageModel, r: int):
-    """Time and memory of rank r as affine functions of its (none, selective, full) counts."""
-    t0 = sm.rank_time(r, (0, 0, 0))
-    m0 = sum(sm.rank_memory(r, (0, 0, 0)).values())
-    tc = [sm.rank_time(r, e) - t0 for e in ((1, 0, 0), (0, 1, 0), (0, 0, 1))]
-    mc = [sum(sm.rank_memory(r, e).values()) - m0 for e in ((1, 0, 0), (0, 1, 0), (0, 0, 1))]
-    return t0, tc, m0, mc
-
-
 def _allowed(pins: dict) -> tuple[bool, bool, bool]:
     ac = pins.get("ac")
     return tuple(ac is None or ac == a for a in AC_MODES)
@@ -244,10 +235,11 @@ def _bounds(sm: StageModel, pins: dict, limit: float) -> tuple[float, float, Ass
     layers = sm.balanced_layers()
     if cfg.v > 1 and any(n < cfg.v for n in layers):
         return math.inf, math.inf, None
-    times, acs = [], []
+    times, acs, ends = [], [], []
     feasible = True
     for r, n in enumerate(layers):
-        t0, tc, m0, mc = _affine(sm, r)
+        t0, tc, m0, mc = sm.rank_affine(r)
+        ends.append(t0)
         got = best_mix(n, t0, tc, m0, mc, limit, allowed)
         if got is None:
             feasible = False
@@ -259,7 +251,7 @@ def _bounds(sm: StageModel, pins: dict, limit: float) -> tuple[float, float, Ass
     L = sm.ctx.model.n_layers
     cheapest = min(sm.coeffs.time[a] for a, ok in zip(AC_MODES, allowed) if ok)
     body = L * cheapest / cfg.pp
-    ends = [sm.rank_time(r, (0, 0, 0)) for r in range(cfg.pp)]
+    ends += [sm.rank_affine(r)[0] for r in range(len(ends), cfg.pp)]  # ranks after an infeasible one
     # The sum of rank times is at least this total, and the bottleneck at least its mean.
     total = body * cfg.pp + sum(ends)
     lower = sm.step_time([total / cfg.pp] * cfg.pp)
@@ -269,13 +261,11 @@ def _bounds(sm: StageModel, pins: dict, limit: float) -> tuple[float, float, Ass
 
 def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
     """Exact layer counts and AC mix per rank for one configuration (see module docstring)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp  # 0.3 s to import: only when a MILP runs
-
     cfg, L, M = sm.cfg, sm.ctx.model.n_layers, sm.M
     pp = cfg.pp
     allowed = _allowed(pins)
     if pp == 1:
-        t0, tc, m0, mc = _affine(sm, 0)
+        t0, tc, m0, mc = sm.rank_affine(0)
         got = best_mix(L, t0, tc, m0, mc, limit, allowed)
         return Assignment((L,), (got[1],)) if got else None
     nv = 3 * pp + 1  # n_r, s_r, f_r, z
@@ -286,7 +276,7 @@ def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
     c[iz] = a
     rows, lo, hi = [], [], []
     for r in range(pp):
-        t0, tc, m0, mc = _affine(sm, r)
+        t0, tc, m0, mc = sm.rank_affine(r)
         n, s, f = r, pp + r, 2 * pp + r
         # objective: b * t_r
         c[n] += b * tc[0]
@@ -319,18 +309,46 @@ def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
     lb[iz], ub[iz] = 0.0, np.inf
     integrality = np.ones(nv)
     integrality[iz] = 0
-    # Scale time to milliseconds and memory to GiB for a well-conditioned problem.
-    A = np.array(rows)
-    res = milp(
-        c * 1e3, constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
-        integrality=integrality, bounds=Bounds(lb, ub), options={"disp": False, "mip_rel_gap": 1e-9},
-    )
-    if res.status != 0 or res.x is None:
+    # Time in milliseconds for a well-conditioned objective.
+    x = _highs_milp(c * 1e3, np.array(rows), np.array(lo), np.array(hi), lb, ub, integrality)
+    if x is None:
         return None
-    x = np.round(res.x[:iz]).astype(int)
+    x = np.round(x[:iz]).astype(int)
     layers = tuple(int(v) for v in x[:pp])
     ac = tuple((int(x[r] - x[pp + r] - x[2 * pp + r]), int(x[pp + r]), int(x[2 * pp + r])) for r in range(pp))
     return Assignment(layers, ac)
+
+
+def _highs_milp(c, A, lo, hi, lb, ub, integrality) -> np.ndarray | None:
+    """``min c.x`` subject to ``lo <= A x <= hi``, ``lb <= x <= ub``, ``x[i]`` integral where
+    ``integrality[i]``; the optimum, or None. HiGHS's own binding (``highspy``, 20 ms to import,
+    where ``scipy.optimize`` takes 0.3 s), its core object: the public ``Highs`` class prints a
+    banner on stdout when made, before any option can silence it, which would corrupt
+    ``autopar explain --json``."""
+    from highspy import HighsLp, HighsModelStatus, HighsVarType, MatrixFormat
+    from highspy._core import _Highs
+
+    f64 = lambda v: np.asarray(v, dtype=np.float64)  # infinite bounds are HiGHS's kHighsInf (inf)
+    lp = HighsLp()
+    lp.num_col_, lp.num_row_ = len(c), len(A)
+    lp.col_cost_ = f64(c)
+    lp.col_lower_, lp.col_upper_ = f64(lb), f64(ub)
+    lp.row_lower_, lp.row_upper_ = f64(lo), f64(hi)
+    rows, cols = np.nonzero(A)
+    lp.a_matrix_.format_ = MatrixFormat.kRowwise
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = len(c), len(A)
+    lp.a_matrix_.start_ = np.searchsorted(rows, np.arange(len(A) + 1)).astype(np.int32)
+    lp.a_matrix_.index_ = cols.astype(np.int32)
+    lp.a_matrix_.value_ = A[rows, cols].astype(np.float64)
+    lp.integrality_ = [HighsVarType.kInteger if i else HighsVarType.kContinuous for i in integrality]
+    h = _Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 1e-9)
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != HighsModelStatus.kOptimal:
+        return None
+    return np.array(h.getSolution().col_value)
 
 
 def search(

@@ -136,3 +136,20 @@ def test_sensible_choices(llama8b):
     assert by["zbv"].breakdown["bubble"] < by["interleaved"].breakdown["bubble"] < by["1f1b"].breakdown["bubble"]
     c = search.search(CostContext(big, h100, 2048), 16384, pins={"pp": 16, "schedule": "interleaved"}).best.config
     assert c.schedule == "interleaved" and c.v > 1
+
+
+def test_rank_affine_is_the_rank_model(llama8b):
+    """The search prices ranks from ``rank_affine``'s few evaluations: on every configuration of
+    64 GPUs, every rank, and mixes of layer counts, it equals ``rank_time``/``rank_memory``."""
+    ctx = CostContext(llama8b, load_hardware("h100"), 256)
+    checked = 0
+    for cfg in search.enumerate_configs(ctx, 64, {})[::7]:
+        sm = StageModel(ctx, cfg)
+        for r in range(cfg.pp):
+            t0, tc, m0, mc = sm.rank_affine(r)
+            for ac in ((0, 0, 0), (3, 0, 0), (1, 2, 0), (0, 1, 4), (2, 2, 2)):
+                assert t0 + sum(n * c for n, c in zip(ac, tc)) == pytest.approx(sm.rank_time(r, ac), rel=1e-12)
+                assert m0 + sum(n * c for n, c in zip(ac, mc)) == pytest.approx(sum(sm.rank_memory(r, ac).values()),
+                                                                              rel=1e-12)
+                checked += 1
+    assert checked > 1000

@@ -180,6 +180,9 @@ class StageModel:
     def __init__(self, ctx: CostContext, cfg: Config, cache: dict | None = None):
         self.ctx, self.cfg = ctx, cfg
         self._cache = cache if cache is not None else {}
+        self._affine: dict = {}
+        self._params: dict = {}
+        self._balanced: tuple[int, ...] | None = None
         m, hw = ctx.model, ctx.hw
         if m.n_layers < cfg.pp * cfg.v:
             raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the model's {m.n_layers} layers")
@@ -392,6 +395,26 @@ class StageModel:
             t += self.outer["post"]["time"]
         return t + self.p2p + self.pp_runtime
 
+    def rank_affine(self, r: int) -> tuple[float, list[float], float, list[float]]:
+        """``rank_time`` and total ``rank_memory`` of rank ``r`` as affine functions of its
+        (none, selective, full) layer counts: ``(t0, tc, m0, mc)``, from as few evaluations as
+        their form allows (the search asks for every rank of every configuration). Time is
+        linear in the counts; a layer's memory is the same on every rank but for its activations,
+        which scale with the microbatches the rank holds in flight; with no layers, a rank's time
+        and memory depend only on whether it runs the first and the last stage (and, on the
+        first, the embedding's in-flight activations)."""
+        first, last, inflight = r == 0, r == self.post_rank, self.inflight(r)
+        key = (first, last, inflight if first else None)
+        if key not in self._affine:
+            self._affine[key] = (self.rank_time(r, (0, 0, 0)), sum(self.rank_memory(r, (0, 0, 0)).values()))
+        t0, m0 = self._affine[key]
+        act = [self.coeffs.act[a] for a in AC_MODES]
+        if "layer" not in self._affine:  # a layer's memory less its activations, from this rank
+            self._affine["layer"] = [sum(self.rank_memory(r, e).values()) - m0 - inflight * act[i]
+                                     for i, e in enumerate(((1, 0, 0), (0, 1, 0), (0, 0, 1)))]
+        mc = [base + inflight * x for base, x in zip(self._affine["layer"], act)]
+        return t0, [self.coeffs.time[a] for a in AC_MODES], m0, mc
+
     def rank_memory(self, r: int, ac: tuple[int, int, int]) -> dict:
         cfg, c = self.cfg, self.coeffs
         n = sum(ac)
@@ -482,6 +505,11 @@ class StageModel:
 
     def rank_params(self, r: int) -> float:
         """Local parameter elements of rank ``r`` under a balanced split."""
+        if r not in self._params:
+            self._params[r] = self._rank_params(r)
+        return self._params[r]
+
+    def _rank_params(self, r: int) -> float:
         m, cfg = self.ctx.model, self.cfg
         n = self.balanced_layers()[r]
         p = n * (m.blocks[0].params_tp / cfg.tp + m.blocks[0].params_rep) if m.blocks else 0
@@ -492,9 +520,11 @@ class StageModel:
             p += (m.post.params_vocab + tied_vocab) / cfg.tp + m.post.params_rep + tied_rep
         return p
 
-    def balanced_layers(self) -> list[int]:
-        L, pp = self.ctx.model.n_layers, self.cfg.pp
-        return [L // pp + (1 if r < L % pp else 0) for r in range(pp)]
+    def balanced_layers(self) -> tuple[int, ...]:
+        if self._balanced is None:
+            L, pp = self.ctx.model.n_layers, self.cfg.pp
+            self._balanced = tuple(L // pp + (1 if r < L % pp else 0) for r in range(pp))
+        return self._balanced
 
     def dp_exposed(self) -> float:
         cfg, hw = self.cfg, self.ctx.hw
