@@ -505,7 +505,8 @@ def find_layers(model: nn.Module) -> list[str]:
         sizes[sig] = sum(p.numel() for p in mod.parameters())
     best: tuple[int, int, list[str]] = (0, 0, [])
     for sig, names in groups.items():
-        names = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+        inside = set(names)  # drop the ones nested in another of the group
+        names = [n for n in names if not any(".".join(n.split(".")[:k]) in inside for k in range(1, n.count(".") + 1))]
         if len(names) < 2:
             continue
         key = (sizes[sig] * len(names), -len(names))
@@ -612,18 +613,24 @@ def trace_step(
     (``model_trace``). ``first_layers_only`` (planning without running, e.g. 126 layers) traces
     only the first of the repeated layers; the others pass its output on, which has the right
     shape for everything after them. ``target_kernels`` prices what the target GPU runs rather
-    than this host (``_TargetKernels``)."""
+    than this host (``_TargetKernels``); the layers that pass the output on then have no
+    placeholders for their parameters and buffers."""
+    layers = find_layers(model)
+    unused = tuple(f"{name}." for name in layers[1:]) if first_layers_only else ()
     pnames, params, aliases = [], [], {}
     by_id: dict[int, str] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
+        if unused and pname.startswith(unused):
+            continue
         if id(p) in by_id:
             aliases.setdefault(by_id[id(p)], []).append(pname)
             continue
         by_id[id(p)] = pname
         pnames.append(pname)
         params.append(p)
-    bnames = [n for n, _ in model.named_buffers()]
-    buffers = [b for _, b in model.named_buffers()]
+    named_buffers = [(n, b) for n, b in model.named_buffers() if not (unused and n.startswith(unused))]
+    bnames = [n for n, _ in named_buffers]
+    buffers = [b for _, b in named_buffers]
     # Everything enters the trace as fake tensors of the global shapes (parameters may already be
     # DTensor shards: the step is traced as the single-device model). Parameters that train
     # require grad, so what autograd saves for backward is seen.
@@ -643,7 +650,6 @@ def trace_step(
     buffers = [fresh(b) for b in buffers]
     inputs = tuple(fresh(x) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = fresh(target) if target is not None else None
-    layers = find_layers(model)
     mods = dict(model.named_modules())
     box: dict = {}
     packed: list[tuple[Any, int | None, bool]] = []

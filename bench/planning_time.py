@@ -1,13 +1,16 @@
 """Planning time on this machine, from model to plan (capture, analysis, costing, search), with
-``import torch, autopar`` excluded, and peak RSS. Each case runs in a fresh process so that the
-numbers include the first fake-tensor use and nothing is cached between cases.
+``import torch, autopar`` excluded, and peak RSS. Each case runs in a fresh process with an empty
+profile cache, so that the numbers include the first fake-tensor use (whose ``FakeTensorMode``
+imports Dynamo, about 1 s here) and nothing is cached between cases.
 
 Targets (issue 2): llama3-8b on 64 H100 < 1 s; llama3-405b on 16,384 H100 < 10 s, RSS < 4 GB.
 """
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 from bench.common import write
 
@@ -32,7 +35,9 @@ print(json.dumps({"capture_s": t1 - t0, "search_s": t2 - t1, "total_s": t2 - t0,
 def main() -> int:
     rows, ok = [], True
     for name, gpus, target in CASES:
-        out = subprocess.run([sys.executable, "-c", CHILD, name, str(gpus)], capture_output=True, text=True, check=True)
+        env = dict(os.environ, AUTOPAR_CACHE_DIR=tempfile.mkdtemp(prefix="autopar-planning-"))
+        out = subprocess.run([sys.executable, "-c", CHILD, name, str(gpus)], capture_output=True, text=True, check=True,
+                             env=env)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         r.update(model=name, gpus=gpus, target_s=target or "", meets=(r["total_s"] < target) if target else "")
         if target and not r["meets"]:
