@@ -3,8 +3,11 @@
 For every forward node of a layer whose plan says ``full``, ``node.meta["recompute"]`` is
 ``PREFER_RECOMPUTE``; under ``selective`` the outputs of matmuls and attention kernels are
 ``MUST_SAVE`` and the rest ``PREFER_RECOMPUTE`` (op-level selective AC). ``ac_graph_id`` is the
-layer, so each layer is its own region. Ops tagged ``nondeterministic_seeded`` (the CPU flash
-attention kernel is one) are always saved: recomputing them would not reproduce their output.
+layer, so each layer is its own region. Ops that draw random numbers (tagged
+``nondeterministic_seeded`` with a nonzero dropout probability) are always saved: recomputing
+them would not reproduce their output. Attention kernels without dropout are tagged so too but
+draw nothing: under ``full`` they become ``unseeded`` copies and recompute like the rest, so full
+AC keeps only each layer's input, as ``torch.utils.checkpoint`` and Megatron-LM's full recompute do.
 When the plan reshards after forward (ZeRO-3), each parameter's gather is ``MUST_RECOMPUTE``:
 the backward gathers it again instead of keeping it. The min-cut partitioner (``backend``)
 honours the tags, as it does for ``torch.utils.checkpoint`` regions.
@@ -36,10 +39,46 @@ def forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n not in backward]
 
 
+def _draws_random(op_node: torch.fx.Node) -> bool:
+    """An op tagged ``nondeterministic_seeded`` draws random numbers unless its probability
+    argument (attention's ``dropout_p``, dropout's ``p``) is 0: then it is deterministic, and
+    recomputing it gives the same output (attention without dropout recomputes under full AC,
+    as in ``torch.utils.checkpoint``)."""
+    target = op_node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    for i, arg in enumerate(getattr(target, "_schema").arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = op_node.kwargs.get(arg.name, op_node.args[i] if i < len(op_node.args) else arg.default_value)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
+
+
+_LIB: list = []
+_UNSEEDED: dict = {}
+
+
+def unseeded(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    """``op`` as an ``autopar::`` operator with the same schema and kernel but without the
+    ``nondeterministic_seeded`` tag, for a call that draws nothing (attention with no dropout):
+    the min-cut partitioner then recomputes it like any other op instead of threading the RNG
+    state from forward to backward (which Inductor's standalone compile cannot trace)."""
+    if op not in _UNSEEDED:
+        if not _LIB:
+            _LIB.append(torch.library.Library("autopar", "FRAGMENT"))
+        lib = _LIB[0]
+        name = f"unseeded_{op._schema.name.split('::')[-1]}_{op._overloadname}"
+        schema = str(op._schema).split("::", 1)[1]
+        lib.define(name + schema[schema.index("("):])
+        lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
+        _UNSEEDED[op] = getattr(torch.ops.autopar, name).default
+    return _UNSEEDED[op]
+
+
 def _policy(n: torch.fx.Node, mode: str):
-    target = n.args[0].target if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) else n.target
-    tags = getattr(target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
+    op_node = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) else n
+    target = op_node.target
+    if op_node.op == "call_function" and _draws_random(op_node):
         return CheckpointPolicy.MUST_SAVE
     if mode == "selective" and target in SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE
@@ -61,6 +100,9 @@ def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.Graph
         mode = modes.get(layer, "none") if layer is not None else "none"
         if mode == "none":
             continue
+        if mode == "full" and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+                torch.Tag.nondeterministic_seeded in n.target.tags and not _draws_random(n):
+            n.target = unseeded(n.target)  # deterministic here: recomputed in backward, as the rest
         n.meta["recompute"] = _policy(n, mode)
         n.meta["ac_graph_id"] = layer + 1
         tagged[mode] = tagged.get(mode, 0) + 1
