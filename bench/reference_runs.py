@@ -196,9 +196,15 @@ def predict(spec: dict, eff: dict) -> tuple[float, float]:
     return e.tokens_per_s_per_gpu, e.peak_memory_gb
 
 
+PRIOR = 0.02  # weight of the pull toward the data-sheet efficiencies, per squared log ratio
+
+
 def fit(pairs, hw_names) -> dict:
     """Per GPU type: matmul, attention, collective and fabric efficiency minimising the median
-    |log error| (plus a tenth of the mean, so the runs far off pull too)."""
+    |log error| (plus a tenth of the mean, so the runs far off pull too), plus a small pull of
+    each efficiency toward its data-sheet value (``PRIOR``): a GPU type with few runs does not
+    pin all four, and without it the fit wandered to the bounds (fabric 0.13 -> 1.0 between two
+    runs of this script after a 5% change in one term of the model)."""
     eff = {}
     for hwn in hw_names:
         sub = [(row, spec) for row, spec in pairs if spec["hardware"] == hwn]
@@ -212,7 +218,8 @@ def fit(pairs, hw_names) -> dict:
         def loss(x):
             e = {hwn: {**DEFAULT_EFFICIENCY, **effs(x)}}
             errs = [abs(math.log(predict(spec, e)[0] / row["published"])) for row, spec in sub]
-            return statistics.median(errs) + 0.1 * statistics.mean(errs)
+            prior = sum(math.log(v / DEFAULT_EFFICIENCY[k]) ** 2 for k, v in effs(x).items())
+            return statistics.median(errs) + 0.1 * statistics.mean(errs) + PRIOR * prior
 
         best = min((loss([a, b, 0.75, f]), a, b, f) for a in (0.3, 0.45, 0.6, 0.75) for b in (0.2, 0.4, 0.6)
                    for f in (0.125, 0.5, 1.0))

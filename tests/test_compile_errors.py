@@ -133,3 +133,24 @@ def test_plan_given_as_pin_string():
         autopar.compile(build("llama-tiny"), 1, example_inputs=(ids,), plan="tp=2")
     with pytest.raises(AutoparError, match="cannot read plan"):
         autopar.compile(build("llama-tiny"), 1, example_inputs=(ids,), plan="no_such_plan.json")
+
+
+def test_full_ac_keeps_only_each_layers_input():
+    """Full AC recomputes the whole layer in backward, attention included (its kernel is tagged
+    as seeded but draws nothing without dropout): inside the layers the forward saves one
+    hidden-state tensor per layer (no attention output beside it), which is what the cost model
+    prices for ``full``."""
+    ids, _ = batch(0, B=4)
+    pm = autopar.compile(build("llama-tiny"), 1, example_inputs=(ids,), plan="ac=full,mb=4")
+    fw = pm._step_runner.compiled.fw_graph
+    (out,) = fw.graph.find_nodes(op="output")
+    per_layer: dict = {}
+    for a in out.args[0][1:]:
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            layer = a.meta.get("custom", {}).get("layer")
+            if layer is not None:
+                per_layer.setdefault(layer, []).append(tuple(a.meta["val"].shape))
+    hidden = (4, ids.shape[1], 64)  # llama-tiny: dim 64
+    # Layer i's output is layer i+1's input; the last one's is kept (or not) by the final norm.
+    assert set(range(len(pm.plan.layers) - 1)) <= set(per_layer), per_layer
+    assert all(shapes == [hidden] for shapes in per_layer.values()), per_layer
