@@ -128,16 +128,31 @@ def _signature(m: nn.Module) -> str:
     return f"{type(m).__name__}[{shapes}]"
 
 
-def find_block_container(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """The repeated layers (``find_layers``) and the longest module path that holds them all."""
-    layers = find_layers(model)
-    mods = dict(model.named_modules())
+def _container(layers: list[str]) -> str:
+    """The longest module path that holds all of ``layers``."""
     prefix = layers[0].split(".")[:-1] if layers else []
     for name in layers[1:]:
         parts = name.split(".")
         while prefix and parts[: len(prefix)] != prefix:
             prefix = prefix[:-1]
-    return ".".join(prefix), [(n, mods[n]) for n in layers]
+    return ".".join(prefix)
+
+
+def _vocab_size(model: nn.Module, given: int | None) -> int:
+    """``given``, or the largest ``nn.Embedding`` of ``model`` (256 without one)."""
+    if given is not None:
+        return given
+    return max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=256)
+
+
+def _first_by_storage(nodes) -> dict:
+    """Storage -> the name of the first of ``nodes`` whose value lives in it."""
+    out: dict = {}
+    for n in nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
+    return out
 
 
 def logits_of(out: Any) -> torch.Tensor:
@@ -210,9 +225,7 @@ def trace_model(
     # Tracing runs the model's Python code; an in-place update of a real buffer (a counter)
     # would happen for real: keep their values and put them back.
     kept = [(b, b.detach().clone()) for b in model.buffers() if not isinstance(b, FakeTensor) and b.device.type != "meta"]
-    if vocab_size is None:
-        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-        vocab_size = max((e.num_embeddings for e in embs), default=256)
+    vocab_size = _vocab_size(model, vocab_size)
     if example_inputs is None:
         inputs: tuple = (torch.randint(0, vocab_size, (batch, seq_len)),)
     else:
@@ -612,11 +625,10 @@ def trace_step(
     This is the one capture: the executor runs this graph, and the planner's analysis reads it
     (``model_trace``). ``first_layers_only`` (planning without running, e.g. 126 layers) traces
     only the first of the repeated layers; the others pass its output on, which has the right
-    shape for everything after them. ``target_kernels`` prices what the target GPU runs rather
-    than this host (``_TargetKernels``); the layers that pass the output on then have no
-    placeholders for their parameters and buffers."""
+    shape for everything after them, and have no placeholders for their parameters and buffers.
+    ``target_kernels`` prices what the target GPU runs rather than this host (``_TargetKernels``)."""
     layers = find_layers(model)
-    unused = tuple(f"{name}." for name in layers[1:]) if first_layers_only else ()
+    unused = tuple(f"{layer}." for layer in layers[1:]) if first_layers_only else ()
     pnames, params, aliases = [], [], {}
     by_id: dict[int, str] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
@@ -638,10 +650,10 @@ def trace_step(
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
-    def fresh(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
-        if isinstance(t, FakeTensor) or t.device.type == "meta":
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, FakeTensor) or t.device.type == "meta":  # another mode's, or no data at all
             with mode:
-                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(grad)
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         return mode.from_tensor(t)
 
     with mode:
@@ -707,11 +719,7 @@ def trace_step(
             "values from a different share of the batch, so it would not be the same model. Use a normalisation "
             "without running state (LayerNorm, RMSNorm, GroupNorm), or keep the buffer out of training "
             "(track_running_stats=False); the model was not changed")
-    first_by_storage: dict = {}
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            first_by_storage.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
+    first_by_storage = _first_by_storage(gm.graph.nodes)
     saved, seen = [], set()
     for ref, layer, entered in packed:
         if ref in first_by_storage and (ref, layer) not in seen:
@@ -746,10 +754,9 @@ def model_trace(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_l
     placeholders) with what autograd saves in it, and every op outside the layers with its FLOPs
     and bytes ("pre" before the first layer, "post" after it)."""
     t0 = time.perf_counter() if t0 is None else t0
-    container, members = find_block_container(model)
-    if vocab_size is None:
-        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-        vocab_size = max((e.num_embeddings for e in embs), default=256)
+    mods = dict(model.named_modules())
+    members = [(n, mods[n]) for n in sg.layers]
+    vocab_size = _vocab_size(model, vocab_size)
     gm = sg.gm
     nodes = {n.name: n for n in gm.graph.nodes}
     layer_of = {n.name: n.meta.get("custom", {}).get("layer") for n in gm.graph.nodes}
@@ -804,7 +811,7 @@ def model_trace(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_l
     fp_src = repr(sorted((k, v[0]) for k, v in params.items())) + repr(sorted(set(module_types.values())))
     return ModelTrace(
         name=name, batch=batch, seq_len=seq_len, dtype=dtype, blocks=blocks,
-        block_container=container, ops=ops, saved=saved, params=params, tied=tied,
+        block_container=_container(sg.layers), ops=ops, saved=saved, params=params, tied=tied,
         module_types=module_types, capture_s=time.perf_counter() - t0, fingerprint_src=fp_src,
         extras={"vocab_size": vocab_size},
     )
@@ -861,11 +868,7 @@ def _layer_graph(sg: StepGraph, layer: int, insts: list[tuple[str, nn.Module]]) 
     lgm = torch.fx.GraphModule(gm, g)
     # What autograd saved while this layer ran, as nodes of the new graph (the first holding
     # the storage: a saved view of the layer's input is its placeholder).
-    first_by_storage: dict = {}
-    for n in g.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            first_by_storage.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
+    first_by_storage = _first_by_storage(g.nodes)
     nodes = {n.name: n for n in gm.graph.nodes}
     saved_nodes = set()
     for node_name, lay, _ in sg.saved:

@@ -66,7 +66,7 @@ def test_compile_traces_the_step_once(monkeypatch):
     ids = torch.randint(0, 200, (2, 16))
     with torch.no_grad():
         ref = capture.default_loss(m(ids), ids)
-    pm = autopar.compile(m, 1, example_inputs=(ids,), compile=False)
+    pm = autopar.compile(m, 1, example_inputs=(ids,))
     assert len(calls) == 1 and not calls[0].get("first_layers_only")
     loss = pm.step(ids, target=ids)
     assert float(loss) == pytest.approx(float(ref), abs=1e-6)

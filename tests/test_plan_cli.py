@@ -132,3 +132,21 @@ def test_explain_against_a_checkpoint(tmp_path):
                 "--global-batch", "8", "--checkpoint", str(ckpt), "--json")
     d = json.loads(r.stdout)["checkpoint"]
     assert d["saved_world_size"] == 4 and "world_size: 4 -> 2" in d["changes"]
+
+
+def test_progress_bar_only_on_a_terminal_and_long_searches(monkeypatch):
+    """The search's progress bar stays off when stderr is not a terminal or the search is short
+    (rich is then never imported by it), and shows, then stops, when both hold."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    with cli._Progress(after_s=0.0) as prog:
+        prog.update(10, 100)
+    assert prog.bar is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with cli._Progress(after_s=3600.0) as prog:
+        prog.update(10, 100)
+    assert prog.bar is None
+    with cli._Progress(after_s=0.0) as prog:
+        prog.update(10, 100)
+        prog.update(20, 100)
+        assert prog.bar is not None and prog.bar.tasks[0].completed == 20
+    assert prog.bar.live.is_started is False

@@ -180,7 +180,8 @@ class StageModel:
     def __init__(self, ctx: CostContext, cfg: Config, cache: dict | None = None):
         self.ctx, self.cfg = ctx, cfg
         self._cache = cache if cache is not None else {}
-        self._affine: dict = {}
+        self._affine: dict = {}  # (first, last, in-flight on the first) -> (t0, m0)
+        self._layer_memory: list[float] | None = None
         self._params: dict = {}
         self._balanced: tuple[int, ...] | None = None
         m, hw = ctx.model, ctx.hw
@@ -409,10 +410,10 @@ class StageModel:
             self._affine[key] = (self.rank_time(r, (0, 0, 0)), sum(self.rank_memory(r, (0, 0, 0)).values()))
         t0, m0 = self._affine[key]
         act = [self.coeffs.act[a] for a in AC_MODES]
-        if "layer" not in self._affine:  # a layer's memory less its activations, from this rank
-            self._affine["layer"] = [sum(self.rank_memory(r, e).values()) - m0 - inflight * act[i]
-                                     for i, e in enumerate(((1, 0, 0), (0, 1, 0), (0, 0, 1)))]
-        mc = [base + inflight * x for base, x in zip(self._affine["layer"], act)]
+        if self._layer_memory is None:  # a layer's memory less its activations, from this rank
+            self._layer_memory = [sum(self.rank_memory(r, e).values()) - m0 - inflight * act[i]
+                                  for i, e in enumerate(((1, 0, 0), (0, 1, 0), (0, 0, 1)))]
+        mc = [base + inflight * x for base, x in zip(self._layer_memory, act)]
         return t0, [self.coeffs.time[a] for a in AC_MODES], m0, mc
 
     def rank_memory(self, r: int, ac: tuple[int, int, int]) -> dict:

@@ -39,15 +39,19 @@ def forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n not in backward]
 
 
+def _seeded(target) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
 def _draws_random(op_node: torch.fx.Node) -> bool:
     """An op tagged ``nondeterministic_seeded`` draws random numbers unless its probability
     argument (attention's ``dropout_p``, dropout's ``p``) is 0: then it is deterministic, and
     recomputing it gives the same output (attention without dropout recomputes under full AC,
     as in ``torch.utils.checkpoint``)."""
     target = op_node.target
-    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+    if not _seeded(target):
         return False
-    for i, arg in enumerate(getattr(target, "_schema").arguments):
+    for i, arg in enumerate(target._schema.arguments):
         if arg.name in ("dropout_p", "p"):
             value = op_node.kwargs.get(arg.name, op_node.args[i] if i < len(op_node.args) else arg.default_value)
             return not (isinstance(value, (int, float)) and value == 0)
@@ -100,8 +104,7 @@ def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.Graph
         mode = modes.get(layer, "none") if layer is not None else "none"
         if mode == "none":
             continue
-        if mode == "full" and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
-                torch.Tag.nondeterministic_seeded in n.target.tags and not _draws_random(n):
+        if mode == "full" and _seeded(n.target) and not _draws_random(n):
             n.target = unseeded(n.target)  # deterministic here: recomputed in backward, as the rest
         n.meta["recompute"] = _policy(n, mode)
         n.meta["ac_graph_id"] = layer + 1
