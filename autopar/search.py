@@ -12,27 +12,33 @@ virtual stages. Pins remove whatever they fix. Each such *configuration* ``c`` h
 ``L`` layers and ``M`` microbatches, integer variables per rank ``r``: ``n_r`` layers, of which
 ``s_r`` use selective and ``f_r`` full AC; a continuous ``z`` for the bottleneck::
 
-    minimise   a z + b sum_r t_r                    a = M - 1 + (v-1)/v,  b = 1/v  (PP)
+    minimise   a z + b sum_r t_r                    a = M - zeta/v,  b = zeta/v    (PP)
                                                     a = 0, b = M                   (no PP)
     t_r   = n_r T_none + s_r (T_sel - T_none) + f_r (T_full - T_none) + C_r       (time, per mb)
     mem_r = F_r + n_r (S + i_r A_none) + s_r i_r (A_sel - A_none) + f_r i_r (A_full - A_none)
     s.t.   t_r <= z,   mem_r <= limit,   s_r + f_r <= n_r,   sum_r n_r = L,   n_r >= v
 
-where ``T, A, S`` are the layer's time, saved activations and static bytes, ``i_r`` the rank's
+(``zeta``: the share of the bubble the schedule leaves, 1 but for zero-bubble schedules; the
+objective is then exactly ``StageModel.critical_path`` less its constant terms), where ``T, A, S``
+are the layer's time, saved activations and static bytes, ``i_r`` the rank's
 microbatches in flight (``StageModel.inflight``) and ``C_r, F_r`` the embedding/head/p2p terms
 on the first and last rank. Layer repetition is what makes this small: the variables are counts,
 not layers, so the solve time does not grow with depth.
 
-**Branch and bound.** For every configuration a closed-form *upper bound* (balanced layers, the
-cheapest AC mix per rank that fits, found by enumeration) and a *lower bound* (balanced
-fractional layers, no AC, no memory limit) are computed. Configurations are visited in order of
-lower bound; the MILP runs only while a lower bound is below the best time found, so the result is
-the exact optimum of the model over the whole space. Ties are broken by the configuration key, so
-the same input always gives the same plan.
+**Branch and bound.** Every configuration gets a closed-form *lower bound* (balanced
+fractional layers, the cheapest allowed AC, no memory limit); in order of it, configurations get
+an *upper bound* (balanced layers, the cheapest AC mix per rank that fits, found by enumeration)
+until no configuration left can enter the top ``top_k + 1`` shapes. A pipelined configuration
+among those whose bounds differ then gets its MILP's LP relaxation (about a millisecond): a
+tighter lower bound and, rounded, a better upper bound. In order of LP bound, while a bound is
+below the best time found, the MILP proves or improves the configuration's time: the winner is
+the exact optimum of the model over the whole space (a runner-up is the best assignment found for
+its shape). Ties are broken by the configuration key, so the same input always gives the same plan.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -66,7 +72,7 @@ class SearchResult:
     best: Estimate
     runners_up: list[Estimate]
     n_configs: int
-    n_feasible: int
+    n_priced: int  # configurations that fit, among those given an upper bound
     n_milp: int
     seconds: float
     stats: dict = field(default_factory=dict)
@@ -229,38 +235,41 @@ def best_mix(n: int, t0, tc, m0, mc, limit: float, allowed) -> tuple[float, tupl
     return best
 
 
-def _bounds(sm: StageModel, pins: dict, limit: float) -> tuple[float, float, Assignment | None]:
+def _lower_bound(sm: StageModel, pins: dict) -> float:
+    """A time no assignment of ``sm``'s configuration beats: balanced fractional layers at the
+    cheapest allowed AC mode, no memory limit. The sum of rank times is at least the layers' total
+    plus each rank's fixed part, and the bottleneck at least their mean. Needs no memory terms,
+    so every configuration gets one before any gets an upper bound."""
     cfg = sm.cfg
+    if cfg.v > 1 and any(n < cfg.v for n in sm.balanced_layers()):
+        return math.inf
+    allowed = _allowed(pins)
+    cheapest = min(sm.coeffs.time[a] for a, ok in zip(AC_MODES, allowed) if ok)
+    total = sm.ctx.model.n_layers * cheapest + sum(sm.rank_time(r, (0, 0, 0)) for r in range(cfg.pp))
+    return sm.step_time([total / cfg.pp] * cfg.pp)
+
+
+def _upper_bound(sm: StageModel, pins: dict, limit: float) -> tuple[float, Assignment | None]:
+    """The step time of balanced layers with each rank's cheapest AC mix that fits (``best_mix``),
+    and that assignment; ``inf, None`` when some rank cannot fit."""
     allowed = _allowed(pins)
     layers = sm.balanced_layers()
-    if cfg.v > 1 and any(n < cfg.v for n in layers):
-        return math.inf, math.inf, None
-    times, acs, ends = [], [], []
-    feasible = True
+    times, acs = [], []
     for r, n in enumerate(layers):
-        t0, tc, m0, mc = sm.rank_affine(r)
-        ends.append(t0)
-        got = best_mix(n, t0, tc, m0, mc, limit, allowed)
+        got = best_mix(n, *sm.rank_affine(r), limit, allowed)
         if got is None:
-            feasible = False
-            break
+            return math.inf, None
         times.append(got[0])
         acs.append(got[1])
-    upper = sm.step_time(times) if feasible else math.inf
-    # Lower bound: fractional balanced layers at the cheapest allowed mode, no memory limit.
-    L = sm.ctx.model.n_layers
-    cheapest = min(sm.coeffs.time[a] for a, ok in zip(AC_MODES, allowed) if ok)
-    body = L * cheapest / cfg.pp
-    ends += [sm.rank_affine(r)[0] for r in range(len(ends), cfg.pp)]  # ranks after an infeasible one
-    # The sum of rank times is at least this total, and the bottleneck at least its mean.
-    total = body * cfg.pp + sum(ends)
-    lower = sm.step_time([total / cfg.pp] * cfg.pp)
-    lower = min(lower, upper)
-    return lower, upper, (Assignment(tuple(layers), tuple(acs)) if feasible else None)
+    return sm.step_time(times), Assignment(tuple(layers), tuple(acs))
 
 
-def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
-    """Exact layer counts and AC mix per rank for one configuration (see module docstring)."""
+def solve_milp(sm: StageModel, pins: dict, limit: float, relax: bool = False):
+    """Exact layer counts and AC mix per rank for one configuration (see module docstring): an
+    ``Assignment``, or None when nothing fits. ``relax=True`` solves the LP relaxation instead
+    (fractional counts, a fraction of the MILP's time) and returns the rank times of its optimum,
+    whose ``critical_path`` no assignment beats: the bound that decides whether the MILP is worth
+    solving."""
     cfg, L, M = sm.cfg, sm.ctx.model.n_layers, sm.M
     pp = cfg.pp
     allowed = _allowed(pins)
@@ -270,13 +279,16 @@ def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
         return Assignment((L,), (got[1],)) if got else None
     nv = 3 * pp + 1  # n_r, s_r, f_r, z
     iz = 3 * pp
-    a = (M - 1) + (cfg.v - 1) / cfg.v
-    b = 1.0 / cfg.v
+    # The pipeline's time as StageModel.critical_path has it: M z + (sum_r t_r / v + (v-1)/v z - z)
+    # times the bubble's share the schedule leaves (1, or less for zero-bubble schedules).
+    zb = sm.zero_bubble_factor()
+    a = M - zb / cfg.v
+    b = zb / cfg.v
     c = np.zeros(nv)
     c[iz] = a
     rows, lo, hi = [], [], []
-    for r in range(pp):
-        t0, tc, m0, mc = sm.rank_affine(r)
+    affine = [sm.rank_affine(r) for r in range(pp)]
+    for r, (t0, tc, m0, mc) in enumerate(affine):
         n, s, f = r, pp + r, 2 * pp + r
         # objective: b * t_r
         c[n] += b * tc[0]
@@ -307,12 +319,15 @@ def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
     if not allowed[2]:
         ub[2 * pp:3 * pp] = 0
     lb[iz], ub[iz] = 0.0, np.inf
-    integrality = np.ones(nv)
+    integrality = np.zeros(nv) if relax else np.ones(nv)
     integrality[iz] = 0
     # Time in milliseconds for a well-conditioned objective.
     x = _highs_milp(c * 1e3, np.array(rows), np.array(lo), np.array(hi), lb, ub, integrality)
     if x is None:
         return None
+    if relax:
+        return ([t0 + tc[0] * (x[r] - x[pp + r] - x[2 * pp + r]) + tc[1] * x[pp + r] + tc[2] * x[2 * pp + r]
+                 for r, (t0, tc, _, _) in enumerate(affine)], list(x[:pp]))
     x = np.round(x[:iz]).astype(int)
     layers = tuple(int(v) for v in x[:pp])
     ac = tuple((int(x[r] - x[pp + r] - x[2 * pp + r]), int(x[pp + r]), int(x[2 * pp + r])) for r in range(pp))
@@ -372,62 +387,124 @@ def search(
             "whole microbatches, a pipeline of pp stages at least pp of them, interleaving a multiple "
             "of pp); relax a pin or change the global batch"
         )
-    cands: list[Candidate] = []
     cache: dict = {}
-    closest: tuple[float, Config] | None = None
+    cands: list[Candidate] = []
     for i, cfg in enumerate(configs):
         sm = StageModel(ctx, cfg, cache)
-        lower, upper, ua = _bounds(sm, pins, limit)
-        cands.append(Candidate(sm, lower, upper, ua))
-        if ua is None:
+        cands.append(Candidate(sm, _lower_bound(sm, pins), math.inf, None))
+        if progress and i % 256 == 0:
+            progress(i, len(configs))
+    # Upper bounds in order of lower bound, until no configuration left can enter the top
+    # ``top_k + 1`` shapes (the winner and its runners-up): its time is at least its lower bound.
+    shape_of = (lambda cfg: (cfg.tp, cfg.pp, cfg.dp, cfg.fsdp, cfg.sp)) if distinct == "shape" else Config.key
+    by_shape: dict[tuple, float] = {}
+    feasible: list[Candidate] = []
+    closest: tuple[float, Config] | None = None
+    cands.sort(key=lambda c: (c.lower, c.sm.cfg.key()))
+    cutoff = math.inf
+    for c in cands:
+        if c.lower > cutoff * (1 + 1e-12) or c.lower == math.inf:
+            break
+        c.upper, c.upper_assignment = _upper_bound(c.sm, pins, limit)
+        if c.upper_assignment is None:
+            sm = c.sm
             full = tuple((0, 0, n) if _allowed(pins)[2] else (n, 0, 0) for n in sm.balanced_layers())
             need = max(sum(sm.rank_memory(r, ac).values()) for r, ac in enumerate(full))
             if closest is None or need < closest[0]:
-                closest = (need, cfg)
-        if progress and i % 256 == 0:
-            progress(i, len(configs))
-    feasible = [c for c in cands if c.upper < math.inf]
+                closest = (need, sm.cfg)
+            continue
+        feasible.append(c)
+        cutoff = _record(by_shape, shape_of(c.sm.cfg), c.upper, top_k, cutoff)
     if not feasible:
         raise _infeasible(ctx, world, closest, pins)
-    # Branch and bound for the winner: visit configurations by lower bound, solve the MILP while
-    # a bound is below the best time found. Every other configuration keeps its upper bound.
-    best_time = min(c.upper for c in feasible)
+    # Branch and bound for the winner. A pipelined configuration whose bounds differ and whose
+    # lower bound is below the (top_k + 1)-th best shape's time gets its MILP's LP relaxation: a
+    # tighter lower bound (about a millisecond), and, its layer counts rounded with each rank's
+    # cheapest AC mix, a better upper bound (most often the MILP's optimum). Then, in order of LP
+    # bound, while a bound is below the best time found, the MILP proves or improves it: the
+    # winner is the model's exact optimum; a runner-up is the best assignment found for its shape.
     n_milp = 0
+    relaxed: list[tuple[float, Candidate]] = []
     for c in sorted(feasible, key=lambda c: (c.lower, c.sm.cfg.key())):
-        if c.lower > best_time * (1 + 1e-12):
+        if c.lower > cutoff * (1 + 1e-12):
             break
-        if c.sm.cfg.pp > 1 and c.upper > c.lower * (1 + 1e-12):
-            n_milp += 1
-            a = solve_milp(c.sm, pins, limit)
-            if a is not None:
-                est = c.sm.evaluate(a)
-                if est.fits(limit * (1 + 1e-9)) and est.step_time_s < c.upper:
-                    c.solved = est
-                    c.upper = est.step_time_s
-                    best_time = min(best_time, c.upper)
+        if c.sm.cfg.pp == 1 or c.upper <= c.lower * (1 + 1e-12):
+            continue
+        got = solve_milp(c.sm, pins, limit, relax=True)
+        if got is None:
+            continue  # nothing of this configuration fits
+        times, frac = got
+        rounded = _rounded(c.sm, pins, limit, frac)
+        if rounded is not None and rounded[0] < c.upper:
+            c.upper, c.upper_assignment = rounded
+        cutoff = _record(by_shape, shape_of(c.sm.cfg), c.upper, top_k, cutoff)
+        relaxed.append((c.sm.critical_path(times), c))
+    best_time = min(by_shape.values())
+    for bound, c in sorted(relaxed, key=lambda x: (x[0], x[1].sm.cfg.key())):
+        if bound >= best_time * (1 - 1e-9):
+            break
+        if bound >= c.upper * (1 - 1e-9):
+            continue  # the rounded assignment is this configuration's optimum
+        n_milp += 1
+        a = solve_milp(c.sm, pins, limit)
+        if a is not None:
+            est = c.sm.evaluate(a)
+            if est.fits(limit * (1 + 1e-9)) and est.step_time_s < c.upper:
+                c.solved = est
+                c.upper = est.step_time_s
+                best_time = min(best_time, c.upper)
     # Runners-up: the best plan of each other shape (tp, pp, dp, fsdp, sp), so they differ in a
     # way a user cares about.
-    by_shape: dict[tuple, Candidate] = {}
+    best_of: dict[tuple, Candidate] = {}
     for c in feasible:
-        cfg = c.sm.cfg
-        shape = (cfg.tp, cfg.pp, cfg.dp, cfg.fsdp, cfg.sp) if distinct == "shape" else cfg.key()
-        old = by_shape.get(shape)
-        if old is None or (c.upper, cfg.key()) < (old.upper, old.sm.cfg.key()):
-            by_shape[shape] = c
-    ranked = sorted(by_shape.values(), key=lambda c: (c.upper, c.sm.cfg.key()))[: top_k + 1]
+        old = best_of.get(shape_of(c.sm.cfg))
+        if old is None or (c.upper, c.sm.cfg.key()) < (old.upper, old.sm.cfg.key()):
+            best_of[shape_of(c.sm.cfg)] = c
+    ranked = sorted(best_of.values(), key=lambda c: (c.upper, c.sm.cfg.key()))[: top_k + 1]
     results = [c.solved or c.sm.evaluate(c.upper_assignment) for c in ranked]
     if progress:
         progress(len(configs), len(configs))
     best = results[0]
     return SearchResult(
-        best=best, runners_up=results[1:top_k + 1], n_configs=len(configs), n_feasible=len(feasible),
-        n_milp=n_milp, seconds=time.perf_counter() - t_start, schedules=_schedules_of(ranked[0], feasible),
+        best=best, runners_up=results[1:top_k + 1], n_configs=len(configs), n_priced=len(feasible),
+        n_milp=n_milp, seconds=time.perf_counter() - t_start,
+        schedules=_schedules_of(ranked[0], cands, pins, limit),
     )
 
 
-def _schedules_of(winner: "Candidate", feasible: list) -> list[Estimate]:
+def _record(by_shape: dict, shape: tuple, t: float, top_k: int, cutoff: float) -> float:
+    """Note time ``t`` for ``shape``; the new cutoff: the (top_k + 1)-th best shape's time."""
+    if t < by_shape.get(shape, math.inf):
+        by_shape[shape] = t
+        if len(by_shape) > top_k:
+            return heapq.nsmallest(top_k + 1, by_shape.values())[-1]
+    return cutoff
+
+
+def _rounded(sm: StageModel, pins: dict, limit: float, frac: list[float]) -> tuple[float, Assignment] | None:
+    """An assignment near the LP optimum: its fractional layer counts rounded by largest
+    remainder, each rank's cheapest AC mix that fits; and its step time."""
+    cfg, L = sm.cfg, sm.ctx.model.n_layers
+    allowed = _allowed(pins)
+    counts = [max(cfg.v, math.floor(x + 1e-9)) for x in frac]
+    for r in sorted(range(cfg.pp), key=lambda r: (counts[r] - frac[r], r))[: max(0, L - sum(counts))]:
+        counts[r] += 1
+    if sum(counts) != L:
+        return None
+    out, acs = [], []
+    for r, n in enumerate(counts):
+        got = best_mix(n, *sm.rank_affine(r), limit, allowed)
+        if got is None:
+            return None
+        out.append(got[0])
+        acs.append(got[1])
+    return sm.step_time(out), Assignment(tuple(counts), tuple(acs))
+
+
+def _schedules_of(winner: "Candidate", cands: list, pins: dict, limit: float) -> list[Estimate]:
     """Under PP: the best candidate of each (schedule, v) with the winner's mesh, SP, FSDP and
-    microbatching, so ``explain`` can say why the chosen schedule won."""
+    microbatching, so ``explain`` can say why the chosen schedule won (priced here where the
+    search stopped before them)."""
     w = winner.sm.cfg
     if w.pp == 1:
         return []
@@ -436,12 +513,17 @@ def _schedules_of(winner: "Candidate", feasible: list) -> list[Estimate]:
         return cfg.tp, cfg.pp, cfg.dp, cfg.dp_shard, cfg.fsdp, cfg.reshard, cfg.sp, cfg.mb
 
     best: dict[tuple, Candidate] = {}
-    for c in feasible:
+    for c in cands:
         cfg = c.sm.cfg
-        if mesh(cfg) == mesh(w):
-            k = (cfg.schedule, cfg.v)
-            if k not in best or c.upper < best[k].upper:
-                best[k] = c
+        if mesh(cfg) != mesh(w) or c.lower == math.inf:
+            continue
+        if c.upper_assignment is None:
+            c.upper, c.upper_assignment = _upper_bound(c.sm, pins, limit)
+            if c.upper_assignment is None:
+                continue
+        k = (cfg.schedule, cfg.v)
+        if k not in best or c.upper < best[k].upper:
+            best[k] = c
     ranked = sorted(best.values(), key=lambda c: (c.upper, c.sm.cfg.key()))
     return [c.solved or c.sm.evaluate(c.upper_assignment) for c in ranked]
 
