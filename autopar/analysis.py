@@ -145,6 +145,10 @@ class OuterProfile:
     params_rep: int
     saved_vocab: float
     saved_rep: float
+    # Per op, per sequence: (vocabulary-sized, other) bytes of its outputs' and its inputs'
+    # gradients, which its backward holds at once beside the saved tensors (the loss's softmax:
+    # two logits-sized fp32 tensors). Distinct pairs only.
+    grad_ws: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -560,7 +564,13 @@ def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProf
     # Saved for backward: vocabulary-sized tensors (the logits, the loss's softmax) live on their shards.
     sv = sum(s.bytes for s in trace.saved if s.segment == segment and vocab in s.shape) / batch
     sr = sum(s.bytes for s in trace.saved if s.segment == segment and vocab not in s.shape) / batch
-    return OuterProfile(costs, pv, pr, sv, sr)
+    ws = set()
+    for r in recs:
+        split = [0.0, 0.0]
+        for shape, nbytes in zip(r.out_shapes + r.in_shapes, r.out_bytes + r.in_bytes):
+            split[vocab not in shape] += nbytes / batch
+        ws.add(tuple(split))
+    return OuterProfile(costs, pv, pr, sv, sr, sorted(ws))
 
 
 def _is_before_blocks(pname: str, trace: ModelTrace) -> bool:

@@ -79,6 +79,9 @@ class OpRecord:
     bytes: int
     out_shapes: list[tuple[int, ...]]
     in_shapes: list[tuple[int, ...]]
+    # Bytes of each output and input (0 for integer tensors, which have no gradient).
+    out_bytes: list[int] = field(default_factory=list)
+    in_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -779,8 +782,10 @@ def model_trace(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_l
         ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         nbytes = 0 if op in VIEW_OPS else sum(map(tensor_bytes, ins + outs))
+        grad_bytes = lambda ts: [tensor_bytes(t) if t.is_floating_point() else 0 for t in ts]  # noqa: E731
         ops.append(OpRecord(op, segment, op_flops(n.target, args, kwargs, out), nbytes,
-                            [tuple(o.shape) for o in outs], [tuple(i.shape) for i in ins]))
+                            [tuple(o.shape) for o in outs], [tuple(i.shape) for i in ins],
+                            grad_bytes(outs), grad_bytes(ins)))
     saved = []
     for node_name, layer, entered in sg.saved:
         node = nodes[node_name]

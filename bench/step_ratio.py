@@ -8,9 +8,9 @@ loss of both sides is compared (same weights, same data), and so is the time to 
 first step (setup, where autopar traces, plans and compiles, plus the first step, where
 torchtitan's blocks compile). Also: one process, ``autopar.compile`` against torchtitan's
 ``apply_compile`` (each block compiled on its own); and each configuration's
-memory per rank for one autopar step (``_step_growth_mib``: the process's resident high-water
-mark above what it held before the step) against the planner's prediction of the same part
-(gradients, gathered parameters, activations).
+memory per rank for one autopar step (``_step_peak_mib``: the allocator's peak above what the
+process held before the step) against the planner's prediction of the same part (gradients,
+gathered parameters, activations).
 
 Needs ``make bench-deps`` (torchtitan 0.3.0). Targets (issue 9): ratio <= 1.0 on 4 processes
 (aim 0.8), <= 1.05 on one.
@@ -48,16 +48,14 @@ def _data():
             torch.randint(0, tt.VOCAB, (BATCH, tt.SEQ), generator=g))
 
 
-def _step_growth_mib(fn) -> float:
-    """How much memory one step takes beyond what the process holds before it (parameters and
-    optimizer state resident, no gradients): gradients, saved activations, workspaces and
-    communication buffers, Inductor's generated code's buffers included. On CPU, the process's
-    resident-set high-water mark (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``; freed
-    heap returned to the system first, so the growth is what the step allocates); on a GPU the
-    allocator's peak."""
-    import ctypes
-    import gc
-
+def _step_peak_mib(fn) -> float:
+    """How much memory one step allocates at its peak beyond what the process holds before it
+    (parameters and optimizer state, no gradients): gradients, saved activations, workspaces and
+    communication buffers, Inductor's generated code's buffers included. The allocator's peak: on
+    a GPU ``max_memory_allocated``; on CPU the running sum of the profiler's allocation events
+    (every tensor the step allocates and frees, through PyTorch's CPU allocator), which is what a
+    GPU's allocator would count (the process's resident set adds glibc arenas, gloo's own
+    buffers and thread stacks: 1.5-2x more on these runs, and not what the planner prices)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -65,18 +63,17 @@ def _step_growth_mib(fn) -> float:
         fn()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
+    from torch.profiler import ProfilerActivity, profile
 
-    def status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = status("VmRSS:")
-    fn()
-    return (status("VmHWM:") - base) / 2**20
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
 
 
 def _worker(rank, world, port, cfgs, steps, compile, q):
@@ -132,7 +129,7 @@ def _measure(rank, world, port, cfgs, steps, compile):
         dist.all_reduce(titan_loss)
         for p in list(pm.parameters()) + list(titan.parameters()):
             p.grad = None
-        mem = _step_growth_mib(fns["autopar"])
+        mem = _step_peak_mib(fns["autopar"])
         r = {"name": cfg["name"], "plan": pm.plan.as_config_string(),
              "autopar_s": statistics.median(times["autopar"]), "torchtitan_s": statistics.median(times["torchtitan"]),
              "autopar_setup_s": first["autopar"][1], "torchtitan_setup_s": first["torchtitan"][1],

@@ -361,6 +361,8 @@ class StageModel:
         tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
                    for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
         saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
+        # The backward's gradients of one op's outputs and inputs (the vocabulary part on its shards).
+        grad_ws = mb * ctx.bytes_scale * max((v / tp + r for v, r in prof.grad_ws), default=0.0)
         eager = self._eager_tp_overhead(1, 0)  # the vocabulary-parallel embedding or head
         return {
             "time": ct.fwd + ct.bwd + tp_t + fsdp + eager,
@@ -369,6 +371,7 @@ class StageModel:
             "working": p_local * ctx.act_bytes,
             "hidden_comm": max(0.0, busy - fsdp),
             "act": saved,
+            "grad_ws": grad_ws,
             "flops": ct.flops,
         }
 
@@ -429,18 +432,22 @@ class StageModel:
                 working += n * c.working_param / self.ctx.act_bytes * 4
         post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
         outer_act = 0.0
+        # The backward's working set beyond what is saved: a layer's recomputed activations, or
+        # the gradients of the embedding's or the head and loss's largest op, whichever is larger.
+        ws = c.backward_ws
         for name, on in (("pre", r == 0), ("post", r == self.post_rank)):
             if on:
                 o = self.outer[name]
                 static += o["static"]
                 outer_act += o["act"] * (post_inflight if name == "post" else self.inflight(r))
+                ws = max(ws, o["grad_ws"])
                 if cfg.fsdp and cfg.dp_shard > 1:
                     working = max(working, o["working"]) if keep else working + o["working"] * (
                         1 + (4 / self.ctx.act_bytes if cfg.fsdp_once else 0))
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,
-            "activations": act + c.backward_ws + outer_act,
+            "activations": act + ws + outer_act,
             "reserve": self.ctx.hw.reserve_gb * GiB,
         }
 
