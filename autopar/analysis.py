@@ -31,6 +31,7 @@ the degree: the executor keeps the logits split and runs the loss on the shards.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -170,7 +171,7 @@ class ModelProfile:
     outside_segments: dict[str, str] = field(default_factory=dict)  # module -> "pre" | "post"
     _layer_seq: list | None = field(default=None, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def n_layers(self) -> int:
         return sum(b.count for b in self.blocks)
 

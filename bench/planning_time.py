@@ -3,7 +3,10 @@
 profile cache, so that the numbers include the first fake-tensor use (whose ``FakeTensorMode``
 imports Dynamo, about 1 s here) and nothing is cached between cases.
 
-Targets (issue 2): llama3-8b on 64 H100 < 1 s; llama3-405b on 16,384 H100 < 10 s, RSS < 4 GB.
+Targets (issue 11): planning beyond ``import torch, autopar`` within 0.3 s for llama3-8b on 64
+H100 and within 1 s for llama3-405b on 16,384 (issue 2's were 1 s and 10 s, RSS < 4 GB). Each
+row also says whether the search alone (the profile taken from the cache, as on every plan of a
+model after its first) meets the target.
 """
 
 import json
@@ -14,7 +17,7 @@ import tempfile
 
 from bench.common import write
 
-CASES = [("llama3-8b", 64, 1.0), ("llama3-70b", 512, None), ("gpt-175b", 1024, None), ("llama3-405b", 16384, 10.0)]
+CASES = [("llama3-8b", 64, 0.3), ("llama3-70b", 512, None), ("gpt-175b", 1024, None), ("llama3-405b", 16384, 1.0)]
 
 CHILD = r"""
 import json, resource, sys, time
@@ -39,14 +42,15 @@ def main() -> int:
         out = subprocess.run([sys.executable, "-c", CHILD, name, str(gpus)], capture_output=True, text=True, check=True,
                              env=env)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        r.update(model=name, gpus=gpus, target_s=target or "", meets=(r["total_s"] < target) if target else "")
+        r.update(model=name, gpus=gpus, target_s=target or "", meets=(r["total_s"] < target) if target else "",
+                 search_meets=(r["search_s"] < target) if target else "")
         if target and not r["meets"]:
             ok = False
         rows.append(r)
         print(f"{name:12s} {gpus:6d} GPUs  capture {r['capture_s']:.2f}s  search {r['search_s']:.2f}s  "
               f"total {r['total_s']:.2f}s  RSS {r['rss_gb']:.2f} GB  -> {r['plan']}")
     write("planning_time", rows, {"all targets met": ok},
-          ["model", "gpus", "capture_s", "search_s", "total_s", "target_s", "meets", "rss_gb", "plan"],
+          ["model", "gpus", "capture_s", "search_s", "total_s", "target_s", "meets", "search_meets", "rss_gb", "plan"],
           "Planning time (2-core CPU machine, fresh process per case)")
     return 0
 

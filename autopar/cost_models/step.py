@@ -37,6 +37,7 @@ profile's reserve.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -203,6 +204,22 @@ class StageModel:
         self.post_rank = 0 if cfg.schedule == "zbv" else cfg.pp - 1
         self._outer()
 
+    def _ct(self, kind: str, nbytes: float, g: Group) -> float:
+        """``collective_time`` on this context's hardware, shared by the search's configurations."""
+        key = ("ct", kind, nbytes, g)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = collective_time(self.ctx.hw, kind, nbytes, g)
+        return got
+
+    def _cx(self, kind: str, nbytes: float, g: Group) -> float:
+        """``collective_transfer`` on this context's hardware, shared likewise."""
+        key = ("cx", kind, nbytes, g)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = collective_transfer(self.ctx.hw, kind, nbytes, g)
+        return got
+
     # -- per layer ---------------------------------------------------------------------------
     def _layer_cached(self, b: BlockProfile) -> LayerCoeffs:
         """``_layer`` shared by the configurations of a search that differ only in pp, schedule
@@ -221,7 +238,7 @@ class StageModel:
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         tp_fwd = tp_bwd = 0.0
         for kind, nbytes, n_fwd, n_bwd, _ in tp_layer_collectives(b, cfg, ctx):
-            t = collective_time(hw, kind, nbytes, self.g_tp)
+            t = self._ct(kind, nbytes, self.g_tp)
             tp_fwd += n_fwd * t
             tp_bwd += n_bwd * t
         if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
@@ -271,13 +288,13 @@ class StageModel:
             return 0.0, 0.0, 0.0
         reshard = reshard and cfg.fsdp_once != "gather"
         ag_bytes, rs_bytes = p_local * ctx.act_bytes, p_local * 4
-        ag = collective_time(hw, "all_gather", ag_bytes, self.g_shard)
-        rs = collective_time(hw, "reduce_scatter", rs_bytes, self.g_shard)
-        busy = (collective_transfer(hw, "all_gather", ag_bytes, self.g_shard) * (2 if reshard else 1)
-                + collective_transfer(hw, "reduce_scatter", rs_bytes, self.g_shard))
+        ag = self._ct("all_gather", ag_bytes, self.g_shard)
+        rs = self._ct("reduce_scatter", rs_bytes, self.g_shard)
+        busy = (self._cx("all_gather", ag_bytes, self.g_shard) * (2 if reshard else 1)
+                + self._cx("reduce_scatter", rs_bytes, self.g_shard))
         if cfg.dp_replicate > 1:
-            rs += collective_time(hw, "all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
-            busy += collective_transfer(hw, "all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
+            rs += self._ct("all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
+            busy += self._cx("all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
         if cfg.fsdp_once == "gather":
             busy /= self.M
         return ag, rs, busy
@@ -343,9 +360,9 @@ class StageModel:
         self.tied_ar = 0.0
         if self.tied_grad_bytes:
             g_ends = group_on_mesh([2, cfg.dp_replicate, cfg.dp_shard, cfg.tp], 0, hw.gpus_per_node)
-            self.tied_ar = collective_time(hw, "all_reduce", self.tied_grad_bytes, g_ends)
+            self.tied_ar = self._ct("all_reduce", self.tied_grad_bytes, g_ends)
         if cfg.pp > 1:
-            self.p2p = 2 * collective_time(hw, "send_recv", hid, self.g_pp) * cfg.v
+            self.p2p = 2 * self._ct("send_recv", hid, self.g_pp) * cfg.v
             # The schedule's own time per microbatch and stage chunk (forward and backward actions).
             self.pp_runtime = hw.pp_microbatch_us * 1e-6 * cfg.v
 
@@ -358,7 +375,7 @@ class StageModel:
             p_local += tied_vocab / tp + tied_rep
         ag, rs, busy = self._fsdp_collectives(p_local, True)  # the embedding and head reshard
         fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd, True)
-        tp_t = sum((nf + nb) * collective_time(hw, kind, nbytes, self.g_tp)
+        tp_t = sum((nf + nb) * self._ct(kind, nbytes, self.g_tp)
                    for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
         saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
         # The backward's gradients of one op's outputs and inputs (the vocabulary part on its shards).
@@ -539,9 +556,9 @@ class StageModel:
         if cfg.dp == 1 or cfg.fsdp:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
-        ar = collective_time(hw, "all_reduce", p * 4, self.g_dp)
+        ar = self._ct("all_reduce", p * 4, self.g_dp)
         window = self.coeffs.parts["none"]["compute"] * 2 / 3 * max(1, self.balanced_layers()[0])
-        return max(0.0, ar - window) + collective_time(hw, "all_reduce", min(p * 4, 25e6), self.g_dp)
+        return max(0.0, ar - window) + self._ct("all_reduce", min(p * 4, 25e6), self.g_dp)
 
     def dp_busy(self) -> float:
         """Processor time of the data-parallel gradient all-reduce (without FSDP): its exposed
@@ -550,7 +567,7 @@ class StageModel:
         if cfg.dp == 1 or cfg.fsdp:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
-        return max(self.dp_exposed(), collective_transfer(self.ctx.hw, "all_reduce", p * 4, self.g_dp))
+        return max(self.dp_exposed(), self._cx("all_reduce", p * 4, self.g_dp))
 
     def evaluate(self, a: Assignment) -> Estimate:
         cfg, ctx, m = self.cfg, self.ctx, self.ctx.model
@@ -719,6 +736,7 @@ def valid_tp_degrees(m: ModelProfile, limit: int = 512) -> list[int]:
     return [t for t in range(1, limit + 1) if not m.max_tp_check(t)]
 
 
-def divisors(n: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def divisors(n: int) -> tuple[int, ...]:
     small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    return tuple(sorted(set(small + [n // d for d in small])))

@@ -37,14 +37,26 @@ def bucket(gm: torch.fx.GraphModule, cap_mb: float, dp_groups: set[str]) -> torc
     def cap(_bucket_index: int) -> float:
         return cap_mb
 
+    one_wait_each(gm)
     bucket_fsdp_all_gather(gm, cap)
-    # Inductor's reduce-scatter merge needs each reduce-scatter waited once; a graph where one is
-    # waited twice (seen with GPT-NeoX's parallel attention/MLP under TP + SP) keeps them unbucketed.
-    if all(len(n.users) == 1 for n in gm.graph.nodes
-           if n.op == "call_function" and "reduce_scatter" in str(n.target) and "wait" not in str(n.target)):
-        bucket_fsdp_reduce_scatter(gm, cap)
+    bucket_fsdp_reduce_scatter(gm, cap)
     if dp_groups:
         bucket_fsdp_all_reduce(gm, cap, OrderedSet(dp_groups))
     gm.graph.lint()
     gm.recompile()
+    return gm
+
+
+def one_wait_each(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Each collective waited once, as Inductor's bucketing requires. Two parameters whose
+    gradients are one computation (GPT-NeoX's parallel attention and MLP output biases: both the
+    sum of the same residual gradient) get one collective from common-subexpression elimination,
+    waited twice; the later wait's users take the first's result (the same tensor)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        waits = sorted((u for u in n.users if u.op == "call_function" and u.target is wait), key=order.get)
+        for w in waits[1:]:
+            w.replace_all_uses_with(waits[0])
+            gm.graph.erase_node(w)
     return gm
