@@ -175,7 +175,7 @@ def runs() -> list[tuple[dict, dict | None]]:
             "model": key, "seq": m["seq_len"], "hardware": hardware_of(h["gpu"]),
             "cfg": Config(tp=c["tp"], pp=pp, dp=c["dp"], dp_shard=c["dp"] if c["fsdp"] else 1, sp=sp,
                           fsdp=bool(c["fsdp"]), mb=mb, schedule=sched if pp > 1 else "1f1b", v=v, reshard=reshard,
-                          fsdp_once=once if c["fsdp"] else ""),
+                          fsdp_once=once if c["fsdp"] else "", fsdp_unit=c.get("fsdp_unit", "layer")),
             # Row-wise scaled Float8 runs at bf16 speed in these tables (its scaling costs what
             # the fp8 matmuls save); tensor-wise Float8 doubles the matmul peak.
             "global_batch": local * c["dp"], "ac": ac, "fp8": "float8" in prec and "row" not in prec,

@@ -249,3 +249,22 @@ def test_fsdp_keeps_a_size_one_leading_dim_whole():
 
     got = dp_placements([(1, 64), (64, 1), (8, 64)], {}, 4, True)
     assert got == {0: Replicate(), 1: Shard(0), 2: Shard(0)}
+
+
+def test_fsdp_per_tensor_gathers_add_a_ring_latency_each(llama8b):
+    """One all-gather per parameter tensor (DeepSpeed ZeRO-3 of 2021) moves the same bytes as one
+    per layer but pays the ring's latency once per tensor, in the forward and again in the
+    backward: a cost that grows with the FSDP group, not with the model's bytes."""
+    hw = load_hardware("a100-80gb")
+    k = len(llama8b.blocks[0].param_shapes)
+    for dp in (64, 1024):
+        ctx = CostContext(llama8b, hw, dp)
+        base = dict(dp=dp, dp_shard=dp, fsdp=True, mb=1)
+        layer, tensor = (StageModel(ctx, Config(**base, fsdp_unit=u)) for u in ("layer", "tensor"))
+        latency = collective_time(hw, "all_gather", 1.0, layer.g_shard)
+        extra = tensor.coeffs.parts["none"]["fsdp_comm"] - layer.coeffs.parts["none"]["fsdp_comm"]
+        assert extra == pytest.approx((k - 1) * 2 * latency, rel=1e-9)
+        assert layer.coeffs.time["none"] < tensor.coeffs.time["none"]
+    assert "unit=tensor" in tensor.cfg.short()
+    gathers = [c for c in estimate(ctx, tensor.cfg, ac="full").collectives if c["kind"] == "all_gather"]
+    assert gathers and gathers[0]["count"] == 2 * llama8b.n_layers * k

@@ -76,6 +76,11 @@ class Config:
     # gathered across the step's microbatches (pipelining since set_reshard_after_backward,
     # Llama 3's training). Priced for published runs; the search never sets it.
     fsdp_once: str = ""
+    # What one FSDP all-gather holds: "layer" (autopar's executor, FSDP2, torchtitan: a layer's
+    # parameters in one collective) or "tensor" (DeepSpeed ZeRO-3 until mid-2021: one collective
+    # per parameter tensor, each waited before the next is issued, so their latencies add up and
+    # nothing hides them). Priced for published runs; the search never sets it.
+    fsdp_unit: str = "layer"
 
     @property
     def world(self) -> int:
@@ -87,7 +92,7 @@ class Config:
 
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
-                int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once)
+                int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit)
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -97,6 +102,8 @@ class Config:
             s += ",reshard=0"
         if self.fsdp and self.fsdp_once:
             s += f",once={self.fsdp_once}"
+        if self.fsdp and self.fsdp_unit != "layer":
+            s += f",unit={self.fsdp_unit}"
         if self.pp > 1:
             s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
         return s
@@ -226,7 +233,7 @@ class StageModel:
         and v (a layer's coefficients depend on none of them)."""
         cfg = self.cfg
         key = ("layer", id(b), cfg.tp, cfg.mb, cfg.sp, cfg.fsdp, cfg.dp_shard, cfg.dp_replicate, cfg.reshard,
-               cfg.fsdp_once, self.M)
+               cfg.fsdp_once, cfg.fsdp_unit, self.M)
         if key not in self._cache:
             self._cache[key] = self._layer(b)
         return self._cache[key]
@@ -249,9 +256,17 @@ class StageModel:
         eager = self._eager_tp_overhead(b.tp_linears, int(np.count_nonzero(~b.costs.tp)))
         time, parts, act, hidden = {}, {}, {}, {}
         seq_div = tp if sp else 1
+        # One collective per parameter tensor: each gather beyond a layer's first adds the ring's
+        # latency, in the forward and (resharded) again in the backward.
+        per_tensor = 0.0
+        if cfg.fsdp_unit == "tensor" and cfg.fsdp and cfg.dp_shard > 1:
+            gathers = 2 if cfg.reshard and cfg.fsdp_once != "gather" else 1
+            per_tensor = (len(b.param_shapes) - 1) * gathers * self._ct("all_gather", 1.0, self.g_shard)
+            if cfg.fsdp_once == "gather":  # gathered once per step, spread over its microbatches
+                per_tensor /= self.M
         for ac in AC_MODES:
             comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1)
-            fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd + rec[ac], cfg.reshard)
+            fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd + rec[ac], cfg.reshard) + per_tensor
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
                 "fsdp_comm": fsdp,
@@ -625,8 +640,14 @@ class StageModel:
             p = self.coeffs.working_param
             per = 1 if cfg.fsdp_once == "gather" else M
             ag_count = n * per * (2 if cfg.reshard and cfg.fsdp_once != "gather" else 1)
-            out.append({"kind": "all_gather", "group": "dp_shard", "group_size": cfg.dp_shard,
-                        "bytes": p, "count": ag_count, "why": "FSDP parameter unshard per layer"})
+            if cfg.fsdp_unit == "tensor" and m.blocks:
+                k = len(m.blocks[0].param_shapes)
+                out.append({"kind": "all_gather", "group": "dp_shard", "group_size": cfg.dp_shard,
+                            "bytes": p / k, "count": ag_count * k,
+                            "why": "FSDP parameter unshard per tensor (mean size)"})
+            else:
+                out.append({"kind": "all_gather", "group": "dp_shard", "group_size": cfg.dp_shard,
+                            "bytes": p, "count": ag_count, "why": "FSDP parameter unshard per layer"})
             out.append({"kind": "reduce_scatter", "group": "dp_shard", "group_size": cfg.dp_shard,
                         "bytes": p / ctx.act_bytes * 4, "count": n * (1 if cfg.fsdp_once else M),
                         "why": "FSDP gradient reduce per layer"})
