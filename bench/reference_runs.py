@@ -48,9 +48,6 @@ TORCHTITAN_PRESET = {
 }
 
 
-SAME_CHIP = {"h100-sxm": "h100-96gb-500w", "h100-96gb-500w": "h100-sxm"}
-
-
 def hardware_of(gpu: str) -> str:
     if gpu.startswith("H100 96GB"):
         return "h100-96gb-500w"
@@ -276,8 +273,10 @@ def main() -> int:
         eff_t = fit([(r, s) for r, s in pairs if (r["source"], r["table"]) != tab], hw_names)
         for r, s in pairs:
             if (r["source"], r["table"]) == tab:
-                hw = s["hardware"] if s["hardware"] in eff_t else SAME_CHIP.get(s["hardware"])
-                loo[r["id"]] = predict(s, {s["hardware"]: eff_t.get(hw, DEFAULT_EFFICIENCY)})[0]
+                # A GPU type no other table ran on is priced with its data-sheet efficiencies, as
+                # a user's new machine is before `autopar tune` measures it (not with another
+                # SKU's fit: torchtitan's 500 W H100 ran at two thirds of Llama 3's 700 W ones).
+                loo[r["id"]] = predict(s, {s["hardware"]: eff_t.get(s["hardware"], DEFAULT_EFFICIENCY)})[0]
     rows = []
     for row, spec in all_runs:
         if spec is None:
