@@ -280,6 +280,7 @@ class _RunGraphs(torch.autograd.Function):
             out = list(c.bw_input(*_as_expected(saved + tangents, c.bw_strides)))
             runner.busy_s += time.perf_counter() - t0
             k = c.n_input_grads
+            out[:k] = _unshared(out[:k])
             n_w = len(runner.grad_index) - k
             for i, g in zip(runner.grad_index[n_w:], out[:k]):
                 result[1 + i] = g
@@ -287,10 +288,26 @@ class _RunGraphs(torch.autograd.Function):
             return tuple(result)
         out = c.bw(*_as_expected(saved + tangents, c.bw_strides))
         runner.busy_s += time.perf_counter() - t0
-        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
         for i, g in zip(runner.grad_index, out):
             result[1 + i] = _placed(g, ctx.metas[i])
         return tuple(result)
+
+
+def _unshared(grads: list) -> list:
+    """Gradients that share memory made separate. Two parameters whose gradients are one
+    computation (GPT-NeoX's parallel attention and MLP output biases) get one tensor from the
+    compiled graph; autograd would then take that tensor as both parameters' ``.grad`` and the
+    next microbatch's accumulation would add into it twice."""
+    seen: set[int] = set()
+    out = []
+    for g in grads:
+        if isinstance(g, torch.Tensor) and g.numel():
+            if g.data_ptr() in seen:
+                g = g.clone()
+            seen.add(g.data_ptr())
+        out.append(g)
+    return out
 
 
 def _placed(g, meta):
@@ -316,7 +333,7 @@ class _WeightGrads:
         t0 = time.perf_counter()
         out = c.bw_weight(*_as_expected(self.carried, c.bw_weight_strides))
         self.runner.busy_s += time.perf_counter() - t0
-        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
         self.carried = None
         for i, g in zip(self.runner.grad_index, out):
             p = self.params[i]

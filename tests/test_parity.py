@@ -56,10 +56,11 @@ CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-
 # TP2xFSDP2+SP case above (``make parity`` runs every plan on every model).
 CI_PLANS = [case("llama-tiny", n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp4_sp"))
             for n, p in PLANS.items()]
-# GPT-NeoX under DDP: its parallel attention and MLP output biases get one gradient computation,
-# all-reduced once and waited twice (passes/bucket.py: one_wait_each).
+# GPT-NeoX's parallel attention and MLP output biases get one gradient computation: under DDP it
+# is all-reduced once and waited twice (passes/bucket.py: one_wait_each), and with two
+# microbatches both parameters' gradients must accumulate separately (runtime._unshared).
 CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")] + [
-    case("hf-qwen2-moe", "fsdp4", PLANS["fsdp4"]), case("hf-neox", "ddp4", PLANS["ddp4"])]
+    case("hf-qwen2-moe", "fsdp4", PLANS["fsdp4"]), case("hf-neox", "ddp4_mb1", {**PLANS["ddp4"], "mb": 1})]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"]),
     # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).
