@@ -107,7 +107,11 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     if not inductor:
         return gm
     vals = _example(gm)
-    with torch.no_grad():
+    # The graphs are partitioned already (passes/ac.py decided what the backward recomputes):
+    # AOTAutograd's forward-loss-backward rematerialisation must not look for backward regions
+    # in them (with MoE blocks under TP and selective AC it found several in the forward graph
+    # and refused to compile: "disjoint backward regions that require recomputation").
+    with torch.no_grad(), torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
         art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs",
                                                  fake_mode=_fake_mode(vals))
     return art
