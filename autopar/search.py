@@ -264,19 +264,43 @@ def _upper_bound(sm: StageModel, pins: dict, limit: float) -> tuple[float, Assig
     return sm.step_time(times), Assignment(tuple(layers), tuple(acs))
 
 
-def solve_milp(sm: StageModel, pins: dict, limit: float, relax: bool = False):
-    """Exact layer counts and AC mix per rank for one configuration (see module docstring): an
-    ``Assignment``, or None when nothing fits. ``relax=True`` solves the LP relaxation instead
-    (fractional counts, a fraction of the MILP's time) and returns the rank times of its optimum,
-    whose ``critical_path`` no assignment beats: the bound that decides whether the MILP is worth
-    solving."""
+def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
+    """Exact layer counts and AC mix per rank for one configuration (see module docstring), or
+    None when nothing fits."""
+    cfg, L = sm.cfg, sm.ctx.model.n_layers
+    pp = cfg.pp
+    if pp == 1:
+        got = best_mix(L, *sm.rank_affine(0), limit, _allowed(pins))
+        return Assignment((L,), (got[1],)) if got else None
+    x = _stage_program(sm, pins, limit, integral=True)[0]
+    if x is None:
+        return None
+    x = np.round(x[:3 * pp]).astype(int)
+    layers = tuple(int(v) for v in x[:pp])
+    ac = tuple((int(x[r] - x[pp + r] - x[2 * pp + r]), int(x[pp + r]), int(x[2 * pp + r])) for r in range(pp))
+    return Assignment(layers, ac)
+
+
+def solve_lp(sm: StageModel, pins: dict, limit: float) -> tuple[list[float], list[float]] | None:
+    """The MILP's LP relaxation (fractional counts, a fraction of the MILP's time) for a pipelined
+    configuration: the rank times at its optimum, whose ``critical_path`` no assignment beats (the
+    bound that decides whether the MILP is worth solving), and the fractional layer counts; None
+    when nothing fits."""
+    x, affine = _stage_program(sm, pins, limit, integral=False)
+    if x is None:
+        return None
+    pp = sm.cfg.pp
+    times = [t0 + tc[0] * (x[r] - x[pp + r] - x[2 * pp + r]) + tc[1] * x[pp + r] + tc[2] * x[2 * pp + r]
+             for r, (t0, tc, _, _) in enumerate(affine)]
+    return times, list(x[:pp])
+
+
+def _stage_program(sm: StageModel, pins: dict, limit: float, integral: bool):
+    """The per-stage program of the module docstring for a pipelined configuration, solved:
+    its solution vector (None if infeasible) and each rank's ``rank_affine``."""
     cfg, L, M = sm.cfg, sm.ctx.model.n_layers, sm.M
     pp = cfg.pp
     allowed = _allowed(pins)
-    if pp == 1:
-        t0, tc, m0, mc = sm.rank_affine(0)
-        got = best_mix(L, t0, tc, m0, mc, limit, allowed)
-        return Assignment((L,), (got[1],)) if got else None
     nv = 3 * pp + 1  # n_r, s_r, f_r, z
     iz = 3 * pp
     # The pipeline's time as StageModel.critical_path has it: M z + (sum_r t_r / v + (v-1)/v z - z)
@@ -319,19 +343,10 @@ def solve_milp(sm: StageModel, pins: dict, limit: float, relax: bool = False):
     if not allowed[2]:
         ub[2 * pp:3 * pp] = 0
     lb[iz], ub[iz] = 0.0, np.inf
-    integrality = np.zeros(nv) if relax else np.ones(nv)
+    integrality = np.full(nv, 1.0 if integral else 0.0)
     integrality[iz] = 0
     # Time in milliseconds for a well-conditioned objective.
-    x = _highs_milp(c * 1e3, np.array(rows), np.array(lo), np.array(hi), lb, ub, integrality)
-    if x is None:
-        return None
-    if relax:
-        return ([t0 + tc[0] * (x[r] - x[pp + r] - x[2 * pp + r]) + tc[1] * x[pp + r] + tc[2] * x[2 * pp + r]
-                 for r, (t0, tc, _, _) in enumerate(affine)], list(x[:pp]))
-    x = np.round(x[:iz]).astype(int)
-    layers = tuple(int(v) for v in x[:pp])
-    ac = tuple((int(x[r] - x[pp + r] - x[2 * pp + r]), int(x[pp + r]), int(x[2 * pp + r])) for r in range(pp))
-    return Assignment(layers, ac)
+    return _highs_milp(c * 1e3, np.array(rows), np.array(lo), np.array(hi), lb, ub, integrality), affine
 
 
 def _highs_milp(c, A, lo, hi, lb, ub, integrality) -> np.ndarray | None:
@@ -430,7 +445,7 @@ def search(
             break
         if c.sm.cfg.pp == 1 or c.upper <= c.lower * (1 + 1e-12):
             continue
-        got = solve_milp(c.sm, pins, limit, relax=True)
+        got = solve_lp(c.sm, pins, limit)
         if got is None:
             continue  # nothing of this configuration fits
         times, frac = got

@@ -268,3 +268,17 @@ def test_fsdp_per_tensor_gathers_add_a_ring_latency_each(llama8b):
     assert "unit=tensor" in tensor.cfg.short()
     gathers = [c for c in estimate(ctx, tensor.cfg, ac="full").collectives if c["kind"] == "all_gather"]
     assert gathers and gathers[0]["count"] == 2 * llama8b.n_layers * k
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_loss_backward_holds_two_fp32_logits_beside_the_saved(llama8b, tp):
+    """The loss's log-softmax backward holds its output's and its input's gradients (fp32,
+    logits-sized, on the vocabulary shards under TP) while everything saved is still alive: the
+    step's peak when that is more than a layer's recomputed activations (Llama 3 8B, 128k vocab)."""
+    ctx = CostContext(llama8b, load_hardware("h100"), 8)
+    sm = StageModel(ctx, Config(tp=tp, sp=tp > 1, dp=8 // tp, mb=1))
+    logits_fp32 = llama8b.seq_len * llama8b.vocab * 4 / tp
+    assert sm.outer["post"]["grad_ws"] == pytest.approx(2 * logits_fp32, rel=1e-6)
+    assert sm.coeffs.backward_ws < 2 * logits_fp32
+    outer_act = sm.outer["pre"]["act"] + sm.outer["post"]["act"]
+    assert sm.rank_memory(0, (0, 0, 0))["activations"] == pytest.approx(outer_act + 2 * logits_fp32, rel=1e-6)

@@ -213,18 +213,17 @@ class StageModel:
 
     def _ct(self, kind: str, nbytes: float, g: Group) -> float:
         """``collective_time`` on this context's hardware, shared by the search's configurations."""
-        key = ("ct", kind, nbytes, g)
-        got = self._cache.get(key)
-        if got is None:
-            got = self._cache[key] = collective_time(self.ctx.hw, kind, nbytes, g)
-        return got
+        return self._memo(collective_time, kind, nbytes, g)
 
     def _cx(self, kind: str, nbytes: float, g: Group) -> float:
-        """``collective_transfer`` on this context's hardware, shared likewise."""
-        key = ("cx", kind, nbytes, g)
+        """``collective_transfer`` likewise."""
+        return self._memo(collective_transfer, kind, nbytes, g)
+
+    def _memo(self, fn, kind: str, nbytes: float, g: Group) -> float:
+        key = (fn, kind, nbytes, g)
         got = self._cache.get(key)
         if got is None:
-            got = self._cache[key] = collective_transfer(self.ctx.hw, kind, nbytes, g)
+            got = self._cache[key] = fn(self.ctx.hw, kind, nbytes, g)
         return got
 
     # -- per layer ---------------------------------------------------------------------------
