@@ -237,13 +237,17 @@ def estimate_plan(
     if tp * pp * dp != world:
         raise AutoparError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but there are {world} GPUs; make the product equal {world}")
     fsdp = kv.get("fsdp", False)
-    if kv.get("once") and not fsdp:
-        raise AutoparError(f"once={kv['once']} describes FSDP's collectives: add fsdp=1 (or drop once)")
+    for k in ("once", "unit"):
+        if kv.get(k) and not fsdp:
+            raise AutoparError(f"{k}={kv[k]} describes FSDP's collectives: add fsdp=1 (or drop {k})")
+    if "dp_overlap" in kv and fsdp:
+        raise AutoparError("dp_overlap describes the all-reduce of data parallelism without FSDP: drop fsdp=1 "
+                           "(FSDP's collectives overlap per layer) or drop dp_overlap")
     cfg = Config(
         tp=tp, pp=pp, dp=dp, dp_shard=kv.get("dp_shard", dp) if fsdp else 1, sp=kv.get("sp", False),
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
         schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
-        fsdp_once=kv.get("once", ""),
+        fsdp_once=kv.get("once", ""), fsdp_unit=kv.get("unit", "layer"), dp_overlap=kv.get("dp_overlap", True),
     )
     validate_config(ctx, cfg)
     sm = StageModel(ctx, cfg)

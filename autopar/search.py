@@ -55,7 +55,12 @@ from autopar.errors import AutoparError, InfeasibleError
 
 log = logging.getLogger(__name__)
 
-PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once"}
+PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
+            "dp_overlap"}
+# How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
+ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
+                 "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
+                 "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward"}
 
 
 @dataclass
@@ -107,6 +112,11 @@ def parse_pins(text: str | dict | None) -> dict:
                                    "reduce (gradients reduced once per step) or gather (parameters also kept "
                                    "gathered for the step)")
             out[k] = "" if v == "microbatch" else v
+        elif k == "unit":
+            if v not in ("layer", "tensor"):
+                raise AutoparError(f"unit={v!r}: choose layer (one FSDP all-gather per layer) or tensor (one per "
+                                   "parameter tensor, each waited before the next, as DeepSpeed ZeRO-3 until mid-2021)")
+            out[k] = v
         elif k == "schedule":
             v = {"interleaved1f1b": "interleaved", "interleaved_1f1b": "interleaved", "zb": "interleaved_zb",
                  "zero_bubble": "interleaved_zb", "interleavedzerobubble": "interleaved_zb",
@@ -119,18 +129,20 @@ def parse_pins(text: str | dict | None) -> dict:
                 iv = int(v)
             except ValueError:
                 raise AutoparError(f"pin {k}={v!r} must be an integer") from None
-            if iv < (0 if k in ("sp", "fsdp", "reshard") else 1):
-                raise AutoparError(f"pin {k}={iv} is out of range")
-            out[k] = bool(iv) if k in ("sp", "fsdp", "reshard") else iv
+            flag = k in ("sp", "fsdp", "reshard", "dp_overlap")
+            if iv < (0 if flag else 1) or (flag and iv > 1):
+                raise AutoparError(f"pin {k}={iv} is out of range" + (" (0 or 1)" if flag else ""))
+            out[k] = bool(iv) if flag else iv
     return out
 
 
 def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
     """Clear errors for pins that can never work, before searching."""
     m = ctx.model
-    if pins.get("once"):
-        raise AutoparError(f"once={pins['once']} is priced by `autopar estimate` only: autopar's executor gathers and "
-                           "reduces FSDP parameters per microbatch, so the planner does not choose it")
+    for k, why in ESTIMATE_ONLY.items():
+        if k in pins and pins[k] not in ("", "layer", True):
+            raise AutoparError(f"{k}={pins[k]} is priced by `autopar estimate` only: {why}, so the planner does "
+                               "not choose it")
     prod = 1
     for k in ("tp", "pp", "dp"):
         prod *= pins.get(k, 1)

@@ -111,9 +111,11 @@ def published_tps(r: dict) -> float | None:
 
 
 def _virtual_stages(c: dict, layers: int, pp: int) -> int:
-    """As printed, else 2 (the count most interleaved recipes use) where each rank has 2 layers."""
+    """As printed, else 2 (the count most interleaved recipes use) where each rank has 2 layers.
+    The cost model gives every chunk at least one layer: a recipe whose embedding and head take a
+    chunk's place (Llama 3: 126 layers in 16 x 8 chunks) is priced with ``layers // pp`` chunks."""
     if c.get("virtual_stages"):
-        return int(c["virtual_stages"])
+        return min(int(c["virtual_stages"]), layers // pp)
     return 2 if layers >= 2 * pp else 1
 
 
@@ -172,7 +174,8 @@ def runs() -> list[tuple[dict, dict | None]]:
             "model": key, "seq": m["seq_len"], "hardware": hardware_of(h["gpu"]),
             "cfg": Config(tp=c["tp"], pp=pp, dp=c["dp"], dp_shard=c["dp"] if c["fsdp"] else 1, sp=sp,
                           fsdp=bool(c["fsdp"]), mb=mb, schedule=sched if pp > 1 else "1f1b", v=v, reshard=reshard,
-                          fsdp_once=once if c["fsdp"] else "", fsdp_unit=c.get("fsdp_unit", "layer")),
+                          fsdp_once=once if c["fsdp"] else "", fsdp_unit=c.get("fsdp_unit", "layer"),
+                          dp_overlap=c.get("dp_overlap", True)),
             # Row-wise scaled Float8 runs at bf16 speed in these tables (its scaling costs what
             # the fp8 matmuls save); tensor-wise Float8 doubles the matmul peak.
             "global_batch": local * c["dp"], "ac": ac, "fp8": "float8" in prec and "row" not in prec,

@@ -270,6 +270,22 @@ def test_fsdp_per_tensor_gathers_add_a_ring_latency_each(llama8b):
     assert gathers and gathers[0]["count"] == 2 * llama8b.n_layers * k
 
 
+def test_dp_all_reduce_after_the_backward_is_exposed_whole(llama8b):
+    """Megatron-LM's local DDP (2021-22) and DeepSpeed's pipeline engine all-reduce the gradients
+    once the backward is done: the whole all-reduce adds to the step, where autopar's bucketed
+    all-reduce overlaps the last backward and exposes only what is longer than it plus one bucket."""
+    hw = load_hardware("a100-80gb")
+    ctx = CostContext(llama8b, hw, 64)
+    base = dict(dp=64, mb=1)
+    over, after = (StageModel(ctx, Config(**base, dp_overlap=o)) for o in (True, False))
+    whole = collective_time(hw, "all_reduce", after.rank_params(0) * 4, after.g_dp)
+    assert after.dp_exposed() == pytest.approx(whole, rel=1e-9)
+    assert over.dp_exposed() < 0.5 * whole
+    t_over, t_after = (estimate(ctx, sm.cfg, ac="none").step_time_s for sm in (over, after))
+    assert t_after - t_over == pytest.approx(whole - over.dp_exposed(), rel=1e-6)
+    assert "dp_overlap=0" in after.cfg.short() and "dp_overlap" not in over.cfg.short()
+
+
 @pytest.mark.parametrize("tp", [1, 8])
 def test_loss_backward_holds_two_fp32_logits_beside_the_saved(llama8b, tp):
     """The loss's log-softmax backward holds its output's and its input's gradients (fp32,

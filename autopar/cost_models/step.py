@@ -81,6 +81,11 @@ class Config:
     # per parameter tensor, each waited before the next is issued, so their latencies add up and
     # nothing hides them). Priced for published runs; the search never sets it.
     fsdp_unit: str = "layer"
+    # Without FSDP: does the data-parallel gradient all-reduce overlap the last microbatch's
+    # backward (True: autopar's bucketed all-reduces, PyTorch DDP) or run after it, exposed
+    # (False: Megatron-LM's local DDP until 2023 and DeepSpeed's pipeline engine all-reduce once
+    # the backward is done). Priced for published runs; the search never sets it.
+    dp_overlap: bool = True
 
     @property
     def world(self) -> int:
@@ -92,7 +97,8 @@ class Config:
 
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
-                int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit)
+                int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit,
+                int(self.dp_overlap))
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -104,6 +110,8 @@ class Config:
             s += f",once={self.fsdp_once}"
         if self.fsdp and self.fsdp_unit != "layer":
             s += f",unit={self.fsdp_unit}"
+        if not self.fsdp and self.dp > 1 and not self.dp_overlap:
+            s += ",dp_overlap=0"
         if self.pp > 1:
             s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
         return s
@@ -571,6 +579,8 @@ class StageModel:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
         ar = self._ct("all_reduce", p * 4, self.g_dp)
+        if not cfg.dp_overlap:
+            return ar
         window = self.coeffs.parts["none"]["compute"] * 2 / 3 * max(1, self.balanced_layers()[0])
         return max(0.0, ar - window) + self._ct("all_reduce", min(p * 4, 25e6), self.g_dp)
 
