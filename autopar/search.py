@@ -38,6 +38,7 @@ its shape). Ties are broken by the configuration key, so the same input always g
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
@@ -162,6 +163,22 @@ def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
         raise AutoparError("sp=1 needs tp > 1")
 
 
+def schedule_options(pp: int, M: int, n_layers: int) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) a pipeline of ``pp`` stages and ``M`` microbatches can run."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [("gpipe", 1), ("1f1b", 1)] + [
+        (s, v) for s in ("interleaved", "interleaved_zb") for v in (2, 4, 8) if pp * v <= n_layers and M % pp == 0
+    ] + ([("zbv", 2)] if pp * 2 <= n_layers else [])
+
+
+# Schedules the cost model never prefers, and the one that beats each on the same mesh: GPipe
+# prices 1F1B's time with every microbatch's activations held; interleaved 1F1B prices interleaved
+# zero bubble's memory with a bubble as large or larger. The search skips them unless pinned
+# (brute force over every schedule checks it); ``explain``'s schedule table still prices them.
+DOMINATED = {"gpipe": "1f1b", "interleaved": "interleaved_zb"}
+
+
 def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
     m, B = ctx.model, ctx.global_batch
     out = []
@@ -181,11 +198,7 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                 M = B // dp // mb
                 if pp > 1 and M < pp:
                     continue
-                scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + [
-                    (s, v) for s in ("interleaved", "interleaved_zb") for v in (2, 4, 8)
-                    if pp * v <= m.n_layers and M % pp == 0
-                ] + ([("zbv", 2)] if pp * 2 <= m.n_layers else [])
-                for sched, v in scheds:
+                for sched, v in schedule_options(pp, M, m.n_layers):
                     if "schedule" in pins and pp > 1 and sched != pins["schedule"]:
                         continue
                     if "v" in pins and v != pins["v"]:
@@ -414,6 +427,8 @@ def search(
             "whole microbatches, a pipeline of pp stages at least pp of them, interleaving a multiple "
             "of pp); relax a pin or change the global batch"
         )
+    if "schedule" not in pins:
+        configs = [c for c in configs if c.schedule not in DOMINATED]
     cache: dict = {}
     cands: list[Candidate] = []
     for i, cfg in enumerate(configs):
@@ -495,7 +510,7 @@ def search(
     return SearchResult(
         best=best, runners_up=results[1:top_k + 1], n_configs=len(configs), n_priced=len(feasible),
         n_milp=n_milp, seconds=time.perf_counter() - t_start,
-        schedules=_schedules_of(ranked[0], cands, pins, limit),
+        schedules=_schedules_of(ranked[0], cands, pins, limit, cache),
     )
 
 
@@ -528,30 +543,35 @@ def _rounded(sm: StageModel, pins: dict, limit: float, frac: list[float]) -> tup
     return sm.step_time(out), Assignment(tuple(counts), tuple(acs))
 
 
-def _schedules_of(winner: "Candidate", cands: list, pins: dict, limit: float) -> list[Estimate]:
-    """Under PP: the best candidate of each (schedule, v) with the winner's mesh, SP, FSDP and
-    microbatching, so ``explain`` can say why the chosen schedule won (priced here where the
-    search stopped before them)."""
+def _schedules_of(winner: "Candidate", cands: list, pins: dict, limit: float, cache: dict) -> list[Estimate]:
+    """Under PP: every (schedule, v) the winner's mesh, SP, FSDP and microbatching can run, each
+    at its best assignment found, so ``explain`` can say why the chosen schedule won (priced here
+    where the search stopped before them or skipped them as dominated)."""
     w = winner.sm.cfg
     if w.pp == 1:
         return []
-
-    def mesh(cfg):
-        return cfg.tp, cfg.pp, cfg.dp, cfg.dp_shard, cfg.fsdp, cfg.reshard, cfg.sp, cfg.mb
-
-    best: dict[tuple, Candidate] = {}
-    for c in cands:
-        cfg = c.sm.cfg
-        if mesh(cfg) != mesh(w) or c.lower == math.inf:
+    have = {c.sm.cfg.key(): c for c in cands}
+    out: list[Candidate] = []
+    for sched, v in schedule_options(w.pp, winner.sm.M, winner.sm.ctx.model.n_layers):
+        if ("schedule" in pins and sched != pins["schedule"]) or ("v" in pins and v != pins["v"]):
+            continue
+        cfg = dataclasses.replace(w, schedule=sched, v=v)
+        c = have.get(cfg.key())
+        if c is None:
+            sm = StageModel(winner.sm.ctx, cfg, cache)
+            c = Candidate(sm, _lower_bound(sm, pins), math.inf, None)
+        if c.lower == math.inf:
             continue
         if c.upper_assignment is None:
             c.upper, c.upper_assignment = _upper_bound(c.sm, pins, limit)
             if c.upper_assignment is None:
                 continue
-        k = (cfg.schedule, cfg.v)
-        if k not in best or c.upper < best[k].upper:
-            best[k] = c
-    ranked = sorted(best.values(), key=lambda c: (c.upper, c.sm.cfg.key()))
+        if c.solved is None and (got := solve_lp(c.sm, pins, limit)) is not None:
+            rounded = _rounded(c.sm, pins, limit, got[1])  # as good as the search's own runners-up
+            if rounded is not None and rounded[0] < c.upper:
+                c.upper, c.upper_assignment = rounded
+        out.append(c)
+    ranked = sorted(out, key=lambda c: (c.upper, c.sm.cfg.key()))
     return [c.solved or c.sm.evaluate(c.upper_assignment) for c in ranked]
 
 

@@ -24,16 +24,16 @@ calibrated profile may carry fitted ``(alpha_us, beta_gbps)`` per collective and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from autopar.cost_models.hardware import Hardware
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-@dataclass(frozen=True)
-class Group:
-    """A process group's shape on the topology: ``size`` ranks, ``per_node`` of them per node."""
+class Group(NamedTuple):
+    """A process group's shape on the topology: ``size`` ranks, ``per_node`` of them per node
+    (a tuple: it keys the search's collective-time memo, hashed and compared in C)."""
 
     size: int
     per_node: int

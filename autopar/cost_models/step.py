@@ -293,6 +293,12 @@ class StageModel:
         gather before the forward, the gather again (``reshard``) and the reduce before the
         backward. With ``fsdp_once`` what happens once per step is spread over the M microbatches."""
         once, M = self.cfg.fsdp_once, self.M
+        if self.cfg.fsdp_unit == "tensor":
+            # Each tensor's gather is waited for on the compute stream before the next is issued
+            # (DeepSpeed ZeRO-3 of 2021): no compute hides a gather; the reduce-scatter overlaps.
+            gathers = ag + (ag if reshard else 0.0)
+            exposed_rs = max(0.0, rs - bwd)
+            return gathers / (M if once == "gather" else 1) + exposed_rs / (M if once else 1)
         exposed_fwd = max(0.0, ag - fwd)
         if not once:
             return exposed_fwd + max(0.0, (ag if reshard else 0.0) + rs - bwd)
