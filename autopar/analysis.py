@@ -241,6 +241,20 @@ def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def _leading_feature_dim(v: torch.Tensor, features: int) -> int | None:
+    """``n`` when ``v`` views ``features`` as trailing dims ``(n, d, ...)`` (more than one), else None."""
+    if v.dim() < 2 or v.shape[-1] == features:
+        return None
+    size = 1
+    for d in range(v.dim() - 1, -1, -1):
+        size *= int(v.shape[d])
+        if size == features:
+            return int(v.shape[d]) if d < v.dim() - 1 else None
+        if size > features:
+            return None
+    return None
+
+
 def _val(n) -> torch.Tensor | None:
     v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
@@ -361,7 +375,9 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
 
     closures = {lin: closure(lin) for lin in linears}
     for lin, cl in closures.items():
-        if cl & hidden_ph:
+        # A column the executor cannot shard (``_split_parts``: e.g. multi-query QKV) stays
+        # replicated here too, and so does the row that reads it.
+        if cl & hidden_ph and not _split_parts(nodes[lin], linears[lin].out_features)[1]:
             # Fused projections (QKV, gate/up) are columns too: the executor splits them in
             # interleaved parts (each rank its own heads of q, k and v); (in, out) weights (HF
             # Conv1D) are split along their output dim like any other.
@@ -384,7 +400,8 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
             l.role = "replicated"
             tp_nodes.discard(l.node)
 
-    # Heads: a column output viewed as (..., n, d) with n*d == out_features.
+    # Heads: a column output viewed as (..., n, d...) with n*prod(d...) == out_features: n heads
+    # (or groups of heads, as Falcon's (kv groups, q per group + 2, head dim)), which TP divides.
     for lin, l in linears.items():
         if l.role != "column":
             continue
@@ -397,8 +414,9 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
                     if un.op != "call_function" or op_name(un.target) not in VIEW_OPS:
                         continue
                     v = _val(un)
-                    if v is not None and v.dim() >= 2 and v.shape[-2] * v.shape[-1] == l.out_features and v.shape[-1] != l.out_features:
-                        l.heads = int(v.shape[-2])
+                    n = _leading_feature_dim(v, l.out_features) if v is not None else None
+                    if n is not None:
+                        l.heads = n
                         break
                     nxt.append(u)
             frontier, depth = nxt, depth + 1
@@ -649,10 +667,15 @@ class StepRoles:
     gather_points: dict  # residual node -> set of nodes (view chains, linears) that read it gathered
 
 
+def _is_2d_transpose(n: torch.fx.Node) -> bool:
+    """``w.T`` / ``w.permute(1, 0)`` of a matrix (Falcon's linear computes ``x @ self.weight.T``)."""
+    return n.target == _aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]
+
+
 def _weight_of(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
     flips = 0
-    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _PASS_OPS:
-        if n.target in (_aten.t.default, _aten.transpose.int):
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and (n.target in _PASS_OPS or _is_2d_transpose(n)):
+        if n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n):
             flips += 1
         n = n.args[0]
     if isinstance(n, torch.fx.Node) and n in pidx:
@@ -676,6 +699,12 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
                 continue
             if u.target in _FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == features:
                 frontier.append(u)
+            elif u.target in _FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
+                # The features viewed as (A, B, ...) (heads, or groups of heads): TP gives each rank a
+                # contiguous range of A, right when every index of A is treated alike.
+                got = _head_view_parts(u, x.meta["val"].dim() - 1)
+                if got != (1, ""):
+                    return got
             elif u.target in _SPLITS:
                 dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
                 xv = x.meta["val"]
@@ -691,6 +720,33 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
             if len(set(slices)) == 1 and sum(slices) == features:
                 return len(slices), ""
             return 1, f"its output is sliced into unequal parts {slices}"
+    return 1, ""
+
+
+def _head_view_parts(view: torch.fx.Node, d: int) -> tuple[int, str]:
+    """A column's features viewed with dim ``d`` leading them: ``unbind`` along ``d`` makes ``A``
+    equal parts (q, k, v stacked); any other indexing along ``d`` (Falcon's multi-query
+    ``qkv[..., :-2, :]`` and ``qkv[..., [-2], :]``: one K and one V head shared by all query
+    heads) treats its entries differently, and no contiguous range of them is a rank's share."""
+    a = view.meta["val"].shape[d]
+    for u in view.users:
+        if u.op != "call_function":
+            continue
+        if u.target == _aten.unbind.int and (u.args[1] if len(u.args) > 1 else 0) % view.meta["val"].dim() == d:
+            return a, ""
+        along = False
+        if u.target in (_aten.slice.Tensor, _aten.narrow.default):  # a full-range slice is a no-op
+            along = u.args[1] % view.meta["val"].dim() == d and u.meta["val"].shape[d] != a
+        elif u.target == _aten.select.int:
+            along = u.args[1] % view.meta["val"].dim() == d
+        elif u.target in _SPLITS:
+            along = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % view.meta["val"].dim() == d
+        elif u.target == _aten.index.Tensor:
+            idx = u.args[1]
+            along = len(idx) > d and idx[d] is not None
+        if along:
+            return 1, (f"its output is viewed as {tuple(view.meta['val'].shape[d:])} and indexed along the first "
+                       f"of those ({a} entries) unevenly, e.g. query heads beside one shared key/value head")
     return 1, ""
 
 
@@ -743,12 +799,14 @@ def step_roles(sg) -> StepRoles:
                 stack += y.all_input_nodes
         return out
 
+    columns_of: dict = {}
     for lin in linears.values():
         if lin.act in residual:
             continue
         fr = frontier(lin.act)
         if fr and all(linears[f].act in residual for f in fr):
             lin.role = "row"
+            columns_of[lin.node] = fr
             for f in fr:
                 linears[f].role = "column"
     outputs = set(gm.graph.find_nodes(op="output"))
@@ -774,6 +832,19 @@ def step_roles(sg) -> StepRoles:
             lin.parts, lin.reason = _split_parts(lin.node, features)
             if lin.reason:
                 lin.role = "replicated"
+    # A row reads its columns' shards: all of them sharded, or none (to a fixed point: a column
+    # demoted with one row may feed another).
+    changed = True
+    while changed:
+        changed = False
+        for row, cols in columns_of.items():
+            if linears[row].role == "row" and any(linears[c].role != "column" for c in cols):
+                linears[row].role = "replicated"
+                linears[row].reason = "it reads the output of a linear that stays replicated"
+                for c in cols:
+                    if linears[c].role == "column":
+                        linears[c].role, linears[c].reason = "replicated", "its row partner stays replicated"
+                changed = True
     # Where a column reads the residual stream: the residual node its activation is a view of.
     gather_points: dict = {}
     for lin in linears.values():

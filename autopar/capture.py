@@ -500,7 +500,51 @@ class _TargetKernels(torch.overrides.TorchFunctionMode):
                 args = (*args[:4], 0.0, *args[5:])
             elif "dropout_p" in kwargs:
                 kwargs["dropout_p"] = 0.0
+            fused = _fused_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
         return func(*args, **kwargs)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _cpu_fuses(a: dict) -> bool:
+    """Whether this CPU's SDPA picks a fused kernel for these arguments: asked of torch's own
+    choice on two-token stand-ins of the same dtypes and head counts (fake tensors always say math)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        q, k, v = (torch.zeros(1, t.shape[-3], 2, t.shape[-1], dtype=t.dtype) for t in (a["query"], a["key"], a["value"]))
+        mask = a.get("attn_mask")
+        if mask is not None:
+            mask = torch.zeros(*(1 for _ in mask.shape[:-2]), 2, 2, dtype=mask.dtype)
+        choice = torch.ops.aten._fused_sdp_choice(q, k, v, mask, 0.0, bool(a.get("is_causal", False)),
+                                                  scale=a.get("scale"), enable_gqa=bool(a.get("enable_gqa", False)))
+    return choice != 0
+
+
+def _fused_attention(*args, **kwargs) -> torch.Tensor | None:
+    """Attention with an explicit mask or fewer key/value heads than query heads (Falcon's
+    multi-query, GQA without ``repeat_kv``) takes the unfused math path on this CPU, while a GPU
+    runs a fused kernel (memory-efficient attention takes the mask; flash and cuDNN take shared
+    KV heads). The planner's trace calls the fused kernel itself, with the key/value heads
+    repeated and the mask as an additive float tensor: same shapes, priced as the fused op (not
+    causal: a mask's blocks are not skipped). Other calls are left as they are (None)."""
+    a = dict(zip(_SDPA_ARGS, args), **kwargs)
+    q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+    if q.dim() != 4 or k.dim() != 4 or q.shape[-3] % k.shape[-3] or _cpu_fuses(a):
+        return None
+    rep = q.shape[-3] // k.shape[-3]
+    if rep > 1:
+        k, v = (t.repeat_interleave(rep, dim=-3) for t in (k, v))
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        mask = mask.to(q.dtype)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, bool(a.get("is_causal", False)), attn_mask=mask, scale=a.get("scale"))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

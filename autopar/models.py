@@ -305,7 +305,8 @@ def _hf_source(path: str) -> ModelSource:
 
         close = difflib.get_close_matches(str(raw["model_type"]), list(known.keys()), n=3)
         hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else (
-            "supported families include llama, qwen2, mistral, gemma, phi3, gpt2, gpt_neox, opt, mixtral")
+            "supported families include llama, qwen2, mistral, gemma, phi3, gpt2, gptj, gpt_neox, opt, bloom, "
+            "falcon, mixtral")
         raise AutoparError(f"{path}: model_type {str(raw['model_type'])[:60]!r} is not a family transformers "
                            f"{transformers.__version__} knows; {hint}")
     _check_config_fields(path, raw, known[raw["model_type"]])
@@ -315,10 +316,14 @@ def _hf_source(path: str) -> ModelSource:
         raise AutoparError(f"{path} is not a valid {raw['model_type']} config: {e}") from e
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
-    cfg._attn_implementation = "sdpa"
+    # SDPA (the fused kernel) where transformers has it for the family; GPT-J and BLOOM have only
+    # their eager attention, which is what their users run.
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    attn = "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
+    cfg._attn_implementation = attn
 
     def build() -> nn.Module:
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
 
     seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     name = os.path.basename(os.path.dirname(os.path.abspath(path))) or cfg.model_type

@@ -74,6 +74,39 @@ def test_hf_families_pairs(family):
     assert p.max_tp_check(4) == [] and p.max_tp_check(8)
 
 
+def test_hf_gptj_bloom_falcon_priced_as_the_executor_shards_them():
+    """The planner's analysis agrees with the executor's (test_step_roles_by_data_flow): GPT-J's
+    q/k/v and BLOOM's per-head QKV are columns, TP divides their heads; Falcon 7B's multi-query
+    QKV and the projection that reads it stay replicated (its MLP is sharded); Falcon 40B's QKV
+    is sharded by KV group, which TP must divide."""
+    def prof(cfg):
+        src = models.hf_source_from_config(cfg)
+        return analysis.analyze(capture.trace_model(src.build, batch=1, seq_len=32, vocab_size=512))
+
+    common = dict(vocab_size=512, hidden_dropout=0.0, attention_dropout=0.0)
+    gptj = prof(transformers.GPTJConfig(n_embd=128, n_layer=2, n_head=8, rotary_dim=8, vocab_size=512))
+    assert sorted(roles(gptj).values()) == ["column"] * 4 + ["row"] * 2
+    assert gptj.blocks[0].heads == 8 and gptj.max_tp_check(8) == [] and gptj.max_tp_check(16)
+    bloom = prof(transformers.BloomConfig(hidden_size=128, n_layer=2, n_head=8, **common))
+    assert sorted(roles(bloom).values()) == ["column", "column", "row", "row"]
+    assert bloom.blocks[0].heads == 8 and bloom.max_tp_check(8) == [] and bloom.max_tp_check(16)
+    mqa = prof(transformers.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                         multi_query=True, parallel_attn=True, bias=False, **common))
+    r = roles(mqa)
+    assert r["self_attention.query_key_value.weight"] == r["self_attention.dense.weight"] == "replicated"
+    assert (r["mlp.dense_h_to_4h.weight"], r["mlp.dense_4h_to_h.weight"]) == ("column", "row")
+    b = mqa.blocks[0]
+    # Priced as the fused attention a GPU runs, not this CPU's math path for shared KV heads.
+    assert int((b.costs.kind == analysis.KIND_ATTN).sum()) == 1
+    assert not any("softmax" in n for n in b.costs.names)
+    qkv = 128 * (128 + 2 * 16)
+    assert b.params_tp == 2 * 128 * 512 and b.params_rep >= qkv + 128 * 128
+    grouped = prof(transformers.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                             num_kv_heads=2, new_decoder_architecture=True, bias=False, **common))
+    assert sorted(roles(grouped).values()) == ["column", "column", "row", "row"]
+    assert grouped.max_tp_check(2) == [] and grouped.max_tp_check(4)
+
+
 def test_hf_gpt2_fused_qkv_is_a_column():
     cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=512)
     src = models.hf_source_from_config(cfg)
@@ -97,11 +130,25 @@ def test_hf_gpt2_fused_qkv_is_a_column():
     ("hf-neox", {"attention.query_key_value.weight": ("column", 0, 1), "attention.dense.weight": ("row", 0, 1)}),
     ("hf-phi3", {"self_attn.qkv_proj.weight": ("column", 0, 3), "mlp.gate_up_proj.weight": ("column", 0, 2),
                  "self_attn.o_proj.weight": ("row", 0, 1), "mlp.down_proj.weight": ("row", 0, 1)}),
+    ("hf-gptj", {"attn.q_proj.weight": ("column", 0, 1), "attn.v_proj.weight": ("column", 0, 1),
+                 "attn.out_proj.weight": ("row", 0, 1), "mlp.fc_out.weight": ("row", 0, 1)}),
+    # BLOOM views its QKV as (heads, 3, head dim): each rank's contiguous heads carry their q, k, v.
+    ("hf-bloom", {"self_attention.query_key_value.weight": ("column", 0, 1), "self_attention.dense.weight": ("row", 0, 1)}),
+    # Falcon computes x @ w.T (a permute of the weight). Multi-query: q heads, then one k and one v
+    # head in one projection, indexed unevenly: no contiguous shard is a rank's share, so it and
+    # the row that reads it stay replicated (the MLP is still sharded). Falcon 40B's layout groups
+    # each KV head with its queries: sharded by groups.
+    ("hf-falcon", {"self_attention.query_key_value.weight": ("replicated", 0, 1),
+                   "self_attention.dense.weight": ("replicated", 0, 1),
+                   "mlp.dense_h_to_4h.weight": ("column", 0, 1), "mlp.dense_4h_to_h.weight": ("row", 0, 1)}),
+    ("hf-falcon-new", {"self_attention.query_key_value.weight": ("column", 0, 1),
+                       "self_attention.dense.weight": ("row", 0, 1)}),
 ])
 def test_step_roles_by_data_flow(kind, want):
     """The executor's roles from the traced step: fused projections split into their equal parts
     (GPT-2's Conv1D c_attn stored (in, out), Phi-3's qkv and gate/up, a custom fused Llama in a
-    ModuleDict); NeoX's per-head interleaved QKV needs no interleaving."""
+    ModuleDict); NeoX's and BLOOM's per-head interleaved QKV needs no interleaving; Falcon's
+    multi-query QKV cannot be sharded."""
     from tests import zoo
 
     torch.manual_seed(0)

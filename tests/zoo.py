@@ -48,9 +48,28 @@ def _hf(kind: str) -> nn.Module:
         cfg = tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
                                sliding_window=None)
         cls = tf.MixtralForCausalLM
+    elif kind == "hf-gptj":  # separate q/k/v without biases, partial rotary, parallel attention and MLP
+        cfg = tf.GPTJConfig(n_embd=64, n_layer=2, n_head=8, rotary_dim=4, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, vocab_size=VOCAB, use_cache=False)
+        cls = tf.GPTJForCausalLM
+    elif kind == "hf-bloom":  # ALiBi, per-head interleaved fused QKV, embedding layer norm, tied head
+        cfg = tf.BloomConfig(hidden_size=64, n_layer=2, n_head=8, hidden_dropout=0.0, attention_dropout=0.0,
+                             vocab_size=VOCAB, use_cache=False)
+        cls = tf.BloomForCausalLM
+    elif kind == "hf-falcon":  # multi-query fused QKV (one K and V head), parallel attention, x @ w.T
+        cfg = tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, multi_query=True,
+                              parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False,
+                              hidden_dropout=0.0, attention_dropout=0.0, **common)
+        cls = tf.FalconForCausalLM
+    elif kind == "hf-falcon-new":  # Falcon 40B/180B layout: QKV grouped per KV head, two layer norms
+        cfg = tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=2,
+                              new_decoder_architecture=True, alibi=False, bias=False, hidden_dropout=0.0,
+                              attention_dropout=0.0, **common)
+        cls = tf.FalconForCausalLM
     else:
         raise KeyError(kind)
-    cfg._attn_implementation = "sdpa"
+    # GPT-J and BLOOM have no SDPA path in transformers; their eager attention is what users run.
+    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom") else "sdpa"
     return cls(cfg)
 
 
