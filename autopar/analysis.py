@@ -697,7 +697,8 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
             v = u.meta.get("val")
             if u.op != "call_function":
                 continue
-            if u.target in _FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == features:
+            if ((u.target in _FEATURE_VIEWS or u.target == _aten.unsqueeze.default) and isinstance(v, torch.Tensor)
+                    and v.dim() and v.shape[-1] == features):  # GPT-BigCode: c_attn(x).unsqueeze(1).split(...)
                 frontier.append(u)
             elif u.target in _FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
                 # The features viewed as (A, B, ...) (heads, or groups of heads): TP gives each rank a

@@ -533,7 +533,7 @@ def _fused_attention(*args, **kwargs) -> torch.Tensor | None:
     causal: a mask's blocks are not skipped). Other calls are left as they are (None)."""
     a = dict(zip(_SDPA_ARGS, args), **kwargs)
     q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
-    if q.dim() != 4 or k.dim() != 4 or q.shape[-3] % k.shape[-3] or _cpu_fuses(a):
+    if q.dim() != 4 or k.dim() != 4 or not k.shape[-3] or q.shape[-3] % k.shape[-3] or _cpu_fuses(a):
         return None
     rep = q.shape[-3] // k.shape[-3]
     if rep > 1:

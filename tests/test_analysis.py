@@ -141,6 +141,8 @@ def test_hf_gpt2_fused_qkv_is_a_column():
     ("hf-falcon", {"self_attention.query_key_value.weight": ("replicated", 0, 1),
                    "self_attention.dense.weight": ("replicated", 0, 1),
                    "mlp.dense_h_to_4h.weight": ("column", 0, 1), "mlp.dense_4h_to_h.weight": ("row", 0, 1)}),
+    ("hf-bigcode", {"attn.c_attn.weight": ("replicated", 0, 1), "attn.c_proj.weight": ("replicated", 0, 1),
+                    "mlp.c_fc.weight": ("column", 0, 1), "mlp.c_proj.weight": ("row", 0, 1)}),
     ("hf-falcon-new", {"self_attention.query_key_value.weight": ("column", 0, 1),
                        "self_attention.dense.weight": ("row", 0, 1)}),
 ])

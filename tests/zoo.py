@@ -66,6 +66,10 @@ def _hf(kind: str) -> nn.Module:
                               new_decoder_architecture=True, alibi=False, bias=False, hidden_dropout=0.0,
                               attention_dropout=0.0, **common)
         cls = tf.FalconForCausalLM
+    elif kind == "hf-bigcode":  # StarCoder: multi-query c_attn split (hidden, head, head)
+        cfg = tf.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=8, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, n_positions=64, vocab_size=VOCAB, use_cache=False)
+        cls = tf.GPTBigCodeForCausalLM
     else:
         raise KeyError(kind)
     # GPT-J and BLOOM have no SDPA path in transformers; their eager attention is what users run.
