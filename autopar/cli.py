@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     es = sub.add_parser("estimate", help="price a plan you give (a hand-written configuration)")
     _common(es)
-    es.add_argument("--plan", required=True, help='e.g. "tp=8,pp=8,dp=1,sp=1,fsdp=0,mb=2,ac=full,schedule=interleaved,v=4"')
+    es.add_argument("--plan", required=True, help='e.g. "tp=8,pp=8,dp=1,sp=1,fsdp=0,mb=2,ac=full,schedule=interleaved,v=4"; '
+                    "how another framework ran its collectives: once=reduce|gather (FSDP under PP), "
+                    "unit=tensor (one FSDP gather per tensor), dp_overlap=0 (gradient all-reduce after the backward)")
     es.add_argument("-o", "--output", default=None, help="save the plan JSON here")
 
     sh = sub.add_parser("show", help="explain a saved plan JSON without searching again")
