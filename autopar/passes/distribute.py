@@ -165,6 +165,10 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
                     out = _local_split(args[0], n, args, tp_mesh)
                 elif n.target == _aten.slice.Tensor:
                     out = _local_slice(args[0], n, args, tp_mesh)
+                elif n.target == _aten.view.default and not args[0].to_local().is_contiguous():
+                    # The traced kernel's output strides allowed a view; the replayed local shard
+                    # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
+                    out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
             if out is None:
                 out = n.target(*args, **kwargs)
             if rules is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
