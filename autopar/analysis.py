@@ -674,9 +674,11 @@ def _is_2d_transpose(n: torch.fx.Node) -> bool:
 
 def _weight_of(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
     flips = 0
-    while isinstance(n, torch.fx.Node) and n.op == "call_function" and (n.target in _PASS_OPS or _is_2d_transpose(n)):
-        if n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n):
-            flips += 1
+    while isinstance(n, torch.fx.Node) and n.op == "call_function":
+        flip = n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n)
+        if not (flip or n.target in _PASS_OPS):
+            break
+        flips += flip
         n = n.args[0]
     if isinstance(n, torch.fx.Node) and n in pidx:
         return pidx[n], flips
@@ -703,9 +705,9 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
             elif u.target in _FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
                 # The features viewed as (A, B, ...) (heads, or groups of heads): TP gives each rank a
                 # contiguous range of A, right when every index of A is treated alike.
-                got = _head_view_parts(u, x.meta["val"].dim() - 1)
-                if got != (1, ""):
-                    return got
+                reason = _head_view_reason(u, x.meta["val"].dim() - 1)
+                if reason:
+                    return 1, reason
             elif u.target in _SPLITS:
                 dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
                 xv = x.meta["val"]
@@ -724,20 +726,20 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
     return 1, ""
 
 
-def _head_view_parts(view: torch.fx.Node, d: int) -> tuple[int, str]:
-    """A column's features viewed with dim ``d`` leading them: ``unbind`` along ``d`` makes ``A``
-    equal parts (q, k, v stacked); any other indexing along ``d`` (Falcon's multi-query
-    ``qkv[..., :-2, :]`` and ``qkv[..., [-2], :]``: one K and one V head shared by all query
-    heads) treats its entries differently, and no contiguous range of them is a rank's share."""
+def _head_view_reason(view: torch.fx.Node, d: int) -> str:
+    """A column's features viewed with dim ``d`` leading them: indexing along ``d`` (Falcon's
+    multi-query ``qkv[..., :-2, :]`` and ``qkv[..., [-2], :]``: one K and one V head shared by all
+    query heads; an unbind of stacked q, k, v) treats its entries differently, and no contiguous
+    range of them is a rank's share: replicated, with the reason."""
     a = view.meta["val"].shape[d]
     for u in view.users:
         if u.op != "call_function":
             continue
-        if u.target == _aten.unbind.int and (u.args[1] if len(u.args) > 1 else 0) % view.meta["val"].dim() == d:
-            return a, ""
         along = False
         if u.target in (_aten.slice.Tensor, _aten.narrow.default):  # a full-range slice is a no-op
             along = u.args[1] % view.meta["val"].dim() == d and u.meta["val"].shape[d] != a
+        elif u.target == _aten.unbind.int:
+            along = (u.args[1] if len(u.args) > 1 else 0) % view.meta["val"].dim() == d
         elif u.target == _aten.select.int:
             along = u.args[1] % view.meta["val"].dim() == d
         elif u.target in _SPLITS:
@@ -746,9 +748,9 @@ def _head_view_parts(view: torch.fx.Node, d: int) -> tuple[int, str]:
             idx = u.args[1]
             along = len(idx) > d and idx[d] is not None
         if along:
-            return 1, (f"its output is viewed as {tuple(view.meta['val'].shape[d:])} and indexed along the first "
-                       f"of those ({a} entries) unevenly, e.g. query heads beside one shared key/value head")
-    return 1, ""
+            return (f"its output is viewed as {tuple(view.meta['val'].shape[d:])} and indexed along the first "
+                    f"of those ({a} entries) unevenly, e.g. query heads beside one shared key/value head")
+    return ""
 
 
 def step_roles(sg) -> StepRoles:
