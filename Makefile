@@ -19,6 +19,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12
 
+# The presets' profiles that ship with the package (tests/test_plan_cli.py checks they are current:
+# rerun after a change to autopar/capture.py, analysis.py or models.py, or to torch).
+profiles: $(VENV)/.installed
+	$(PY) -c "from autopar.api import write_shipped_profiles as w; print(len(w()), 'preset profiles written')"
+
 parity: $(VENV)/.installed
 	$(PY) -m bench.parity_matrix
 
@@ -35,4 +40,4 @@ bench: $(VENV)/.bench-deps
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench.run_all --quick
 
-.PHONY: install demo test parity bench bench-deps bench-quick
+.PHONY: install demo test profiles parity bench bench-deps bench-quick

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -116,6 +117,8 @@ def _profile_key(model: Any, batch: int, seq_len: int, dtype: torch.dtype) -> st
 
 
 def _profile_cache_get(key: str | None) -> analysis.ModelProfile | None:
+    """The profile cached for ``key``: in this user's cache, else among the presets' profiles that
+    ship with the package (made by the same code, torch and shapes, since all are in the key)."""
     if key is None:
         return None
     path = os.path.join(_cache_dir(), "profiles", key + ".pkl")
@@ -123,8 +126,52 @@ def _profile_cache_get(key: str | None) -> analysis.ModelProfile | None:
         with open(path, "rb") as f:
             prof = pickle.load(f)
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
-        return None
+        prof = shipped_profiles().get(key)
     return prof if isinstance(prof, analysis.ModelProfile) else None
+
+
+SHIPPED_PROFILES = os.path.join(os.path.dirname(__file__), "data", "preset_profiles.pkl.xz")
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_profiles() -> dict[str, analysis.ModelProfile]:
+    """The presets' profiles at their default shapes, computed when the package was made (``make
+    profiles``), so that explaining a preset never traces it (tracing imports Dynamo: about 1 s).
+    Keyed like the cache: a key made by other code or another torch finds nothing and traces."""
+    import lzma
+
+    try:
+        with lzma.open(SHIPPED_PROFILES, "rb") as f:
+            table = pickle.load(f)
+    except (OSError, lzma.LZMAError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        log.info("no shipped preset profiles: %s", e)
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def preset_profile_key(name: str) -> str:
+    """The cache key of preset ``name`` at the shapes ``autopar explain NAME`` plans."""
+    src = models.resolve(name)
+    seq_len, _ = models.planning_seq_len(src, None)
+    return _profile_key(src, 1, seq_len, torch.bfloat16)
+
+
+def write_shipped_profiles(path: str = SHIPPED_PROFILES) -> dict[str, analysis.ModelProfile]:
+    """Trace every preset at its default shapes and write the table ``shipped_profiles`` reads."""
+    import lzma
+
+    table = {}
+    for name in models.PRESETS:
+        src = models.resolve(name)
+        seq_len, _ = models.planning_seq_len(src, None)
+        tr = capture.trace_model(src.build, batch=1, seq_len=seq_len, vocab_size=src.vocab_size,
+                                 dtype=torch.bfloat16, name=src.name)
+        table[preset_profile_key(name)] = analysis.analyze(tr)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with lzma.open(path, "wb", preset=9) as f:
+        pickle.dump(table, f, protocol=pickle.HIGHEST_PROTOCOL)
+    shipped_profiles.cache_clear()
+    return table
 
 
 def _profile_cache_put(key: str | None, prof: analysis.ModelProfile) -> None:

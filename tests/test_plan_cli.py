@@ -89,16 +89,76 @@ def test_version_and_text_output(capsys):
 
 def test_plan_json_is_deterministic_across_processes(tmp_path):
     """The same model, mesh and options give the same plan file byte for byte in two fresh
-    processes (each traces the model itself: separate profile caches)."""
+    processes (each traces the model itself: separate profile caches, a length no shipped profile has)."""
     outs = []
     for i in range(2):
         path = tmp_path / f"p{i}.json"
         env = dict(os.environ, AUTOPAR_CACHE_DIR=str(tmp_path / f"cache{i}"), PYTHONHASHSEED=str(i))
-        r = subprocess.run([sys.executable, "-m", "autopar", "explain", "llama3-8b", "--gpus", "64", "-o", str(path)],
-                           capture_output=True, text=True, env=env, timeout=300)
+        r = subprocess.run([sys.executable, "-m", "autopar", "explain", "llama3-8b", "--gpus", "64", "--seq-len", "4096",
+                            "-o", str(path)], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(path.read_bytes())
     assert outs[0] == outs[1]
+
+
+def _same(a, b, where="profile"):
+    """Field by field equality of two profiles (numpy arrays by value), naming the first difference."""
+    import dataclasses
+
+    import numpy as np
+
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            if f.compare:
+                _same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_every_preset_ships_its_current_profile():
+    """Each preset's profile at its default shapes ships with the package, made by this code and
+    this torch (the key holds both): else `make profiles` was not rerun after a change."""
+    from autopar import models
+
+    stale = [n for n in models.PRESETS if api.preset_profile_key(n) not in api.shipped_profiles()]
+    assert not stale, f"shipped profiles are stale or missing for {stale}: run `make profiles` and commit"
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_shipped_profile_is_what_a_trace_gives(name):
+    from autopar import capture, models
+
+    src = models.resolve(name)
+    tr = capture.trace_model(src.build, batch=1, seq_len=src.seq_len, vocab_size=src.vocab_size, name=name)
+    _same(api.analysis.analyze(tr), api.shipped_profiles()[api.preset_profile_key(name)])
+
+
+def test_explaining_a_preset_on_a_fresh_machine_does_not_trace(tmp_path, monkeypatch, capsys):
+    """With an empty profile cache, a preset is explained from its shipped profile: no trace, so
+    Dynamo (about 1 s to import) is never loaded; the output is the one a trace gives."""
+    code = ("import sys; from autopar import cli; rc = cli.main(['explain', 'llama3-8b', '--gpus', '64', '--json']); "
+            "assert 'torch._dynamo' not in sys.modules, 'the model was traced'; sys.exit(rc)")
+    env = dict(os.environ, AUTOPAR_CACHE_DIR=str(tmp_path / "fresh"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "traced"))
+    monkeypatch.setattr(api, "shipped_profiles", dict)
+    assert cli.main(["explain", "llama3-8b", "--gpus", "64", "--json"]) == 0
+    assert os.listdir(tmp_path / "traced" / "profiles")  # this one did trace
+    shipped, traced = json.loads(r.stdout), json.loads(capsys.readouterr().out)
+    shipped.pop("planning_s", None), traced.pop("planning_s", None)
+    assert shipped == traced
 
 
 def test_explain_graph_lists_the_executed_collectives():
