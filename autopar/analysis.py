@@ -272,12 +272,14 @@ def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tu
         args = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.args)
         kwargs = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.kwargs)
         outv = n.meta.get("val")
-        # Routed experts traced in fixed-shape form run only their top-k share on a GPU.
-        flops = op_flops(n.target, args, kwargs, outv) * n.meta.get("custom", {}).get("moe_active", 1.0)
+        # Routed experts traced in fixed-shape form run only their top-k share of the tokens on a
+        # GPU: their FLOPs and activation traffic scale by it, their weights are read whole.
+        active = n.meta.get("custom", {}).get("moe_active", 1.0)
+        flops = op_flops(n.target, args, kwargs, outv) * active
         in_nodes = [a for a in n.all_input_nodes]
         w_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name in param_nodes)
         a_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name not in param_nodes)
-        a_bytes += sum(tensor_bytes(o) for o in torch.utils._pytree.tree_leaves(outv))
+        a_bytes = active * (a_bytes + sum(tensor_bytes(o) for o in torch.utils._pytree.tree_leaves(outv)))
         kind = KIND_OTHER
         causal = False
         if name in ATTENTION_OPS:

@@ -279,10 +279,11 @@ def estimate_plan(
     ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
                        precision=precision, memory_limit_gb=memory_limit_gb)
     kv = search_mod.parse_pins(config)
-    tp, pp = kv.get("tp", 1), kv.get("pp", 1)
-    dp = kv.get("dp", world // (tp * pp) if world % (tp * pp) == 0 else 0)
-    if tp * pp * dp != world:
-        raise AutoparError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but there are {world} GPUs; make the product equal {world}")
+    tp, pp, cp = kv.get("tp", 1), kv.get("pp", 1), kv.get("cp", 1)
+    dp = kv.get("dp", world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0)
+    if tp * pp * dp * cp != world:
+        names, degrees = ("tp*pp*dp", f"{tp}*{pp}*{dp}") if cp == 1 else ("tp*pp*dp*cp", f"{tp}*{pp}*{dp}*{cp}")
+        raise AutoparError(f"{names} = {degrees} = {tp * pp * dp * cp} but there are {world} GPUs; make the product equal {world}")
     fsdp = kv.get("fsdp", False)
     for k in ("once", "unit"):
         if kv.get(k) and not fsdp:
@@ -295,6 +296,7 @@ def estimate_plan(
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
         schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
         fsdp_once=kv.get("once", ""), fsdp_unit=kv.get("unit", "layer"), dp_overlap=kv.get("dp_overlap", True),
+        cp=cp,
     )
     validate_config(ctx, cfg)
     sm = StageModel(ctx, cfg)
@@ -473,6 +475,12 @@ def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Pro
     """The given Plan checked against this model's fingerprint and the world size, or a new plan
     under the given pins (see ``_plan_argument``)."""
     if isinstance(plan_arg, Plan):
+        priced_only = {k: v for k, v in plan_arg.pins.items() if k in search_mod.ESTIMATE_ONLY and v not in ("", "layer", True, 1)}
+        if priced_only:
+            k = next(iter(priced_only))
+            raise PlanMismatchError(
+                f"the plan was priced by `autopar estimate` with {k}={priced_only[k]}, which autopar does not run "
+                f"({search_mod.ESTIMATE_ONLY[k]}); plan with `autopar explain` or pass plan=\"auto\" or pins")
         plan_arg.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
         return plan_arg
     hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")

@@ -366,23 +366,39 @@ def _user_line() -> str:
 @dataclass(frozen=True)
 class RoutedExperts:
     """A mixture-of-experts block recognised by its structure: ``experts`` (a list of ``E``
-    identical modules), one linear router with ``E`` outputs, ``top_k`` (or
-    ``num_experts_per_tok``), optionally a shared expert with a sigmoid gate. Its own forward
-    (transformers' Mixtral, Qwen2-MoE, OLMoE, ...) sends each expert the tokens routed to it,
-    found with ``nonzero``: shapes that depend on values, which no static graph holds."""
+    identical modules), ``top_k`` (or ``num_experts_per_tok``), one router, optionally shared
+    experts. The router is either a linear with ``E`` outputs whose softmax top-k routes (Mixtral,
+    Qwen2-MoE, OLMoE: the block returns its output and the router logits), or a gate module of its
+    own, holding an ``(E, hidden)`` weight, that returns each token's chosen experts and their
+    weights (DeepSeek-V2/V3: whatever scoring, grouping or scaling it does is its own code, run as
+    it is; the block returns its output alone). Its own forward sends each expert the tokens routed
+    to it, found with ``nonzero`` or by sorting: shapes that depend on values, which no static
+    graph holds."""
 
     name: str
     module: nn.Module
     router: str
     top_k: int
     normalize: bool
+    gate_module: bool = False  # the router is a gate module returning (experts, weights)
 
     @property
     def n_experts(self) -> int:
         return len(self.module.experts)
 
 
-_MOE_PARTS = {"experts", "shared_expert", "shared_expert_gate", "act_fn"}
+_MOE_PARTS = {"experts", "shared_expert", "shared_expert_gate", "shared_experts", "act_fn"}
+
+
+def _router_kind(mod: nn.Module, n_experts: int) -> str | None:
+    """``"linear"`` for a linear router with ``n_experts`` outputs, ``"gate"`` for a gate module
+    whose own ``(n_experts, hidden)`` weight scores the experts, else None."""
+    if isinstance(mod, nn.Linear):
+        return "linear" if mod.out_features == n_experts else None
+    w = getattr(mod, "weight", None)
+    if isinstance(w, nn.Parameter) and w.dim() == 2 and w.shape[0] == n_experts and not list(mod.children()):
+        return "gate"
+    return None
 
 
 def routed_experts(model: nn.Module) -> list[RoutedExperts]:
@@ -392,20 +408,40 @@ def routed_experts(model: nn.Module) -> list[RoutedExperts]:
         if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or len({type(e) for e in experts}) != 1:
             continue
         E = len(experts)
-        k = getattr(m, "top_k", None) or getattr(m, "num_experts_per_tok", None)
-        routers = [c for c, mod in m.named_children() if isinstance(mod, nn.Linear) and mod.out_features == E]
-        others = {c for c, _ in m.named_children()} - _MOE_PARTS - set(routers[:1])
+        routers = [(c, kind) for c, mod in m.named_children() if (kind := _router_kind(mod, E))]
+        others = {c for c, _ in m.named_children()} - _MOE_PARTS - {c for c, _ in routers[:1]}
+        # top_k on the block, on its gate (DeepSeek-V3), or in the config the block keeps.
+        holders = (m, getattr(m, routers[0][0]) if routers else None, getattr(m, "config", None))
+        k = next((v for h in holders for a in ("top_k", "num_experts_per_tok") if (v := getattr(h, a, None))), None)
         if not isinstance(k, int) or not 1 <= k <= E or len(routers) != 1 or others:
             continue
-        out.append(RoutedExperts(name, m, routers[0], k, bool(getattr(m, "norm_topk_prob", True))))
+        out.append(RoutedExperts(name, m, routers[0][0], k, bool(getattr(m, "norm_topk_prob", True)),
+                                 gate_module=routers[0][1] == "gate"))
     return out
 
 
-def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gate_routing(r: RoutedExperts, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gate module's routing: its own forward on the block's input, read as the chosen experts
+    (an integer tensor of ``top_k`` columns) and their weights (a float tensor of the same shape)."""
+    got = getattr(r.module, r.router)(hidden)
+    parts = [t for t in (got if isinstance(got, (tuple, list)) else (got,)) if isinstance(t, torch.Tensor)]
+    idx = [t for t in parts if not t.is_floating_point() and t.shape[-1] == r.top_k]
+    wts = [t for t in parts if t.is_floating_point() and t.shape[-1] == r.top_k]
+    if len(idx) != 1 or len(wts) != 1 or idx[0].shape != wts[0].shape:
+        raise TraceError(f"the mixture-of-experts block {r.name}: its gate {r.router} "
+                         f"({type(getattr(r.module, r.router)).__name__}) does not return one tensor of chosen experts "
+                         f"and one of their weights ({r.top_k} per token), so autopar cannot trace the block in a "
+                         "fixed-shape form")
+    return idx[0].reshape(-1, r.top_k), wts[0].reshape(-1, r.top_k)
+
+
+def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor):
     """The block's output with fixed shapes: every expert runs on every token and its output is
     weighted by the token's routing weight, exactly 0 where the token was not routed to it; the
     sum runs in expert order, as the routed form's ``index_add_`` does, so each token gets the
-    same additions. Expert FLOPs are marked ``moe_active = top_k / E`` (what a routed kernel runs)."""
+    same additions. Expert FLOPs are marked ``moe_active = top_k / E`` (what a routed kernel runs).
+    A linear router's block returns ``(output, router logits)``; a gate module's block its output
+    (accumulated in the routing weights' precision, as DeepSeek's own combine does)."""
     m = r.module
     if m.training and float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0:
         raise TraceError(f"the mixture-of-experts block {r.name} multiplies its input by random jitter noise "
@@ -413,21 +449,29 @@ def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor) -> tuple
                          "reproduce; set router_jitter_noise=0 in the config")
     b, s, h = hidden.shape
     x = hidden.reshape(-1, h)
-    logits = getattr(m, r.router)(x)
-    weights = F.softmax(logits, dim=1, dtype=torch.float)
-    weights, chosen = torch.topk(weights, r.top_k, dim=-1)
-    if r.normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    dense = torch.zeros(x.shape[0], r.n_experts, dtype=x.dtype, device=x.device).scatter(1, chosen, weights.to(x.dtype))
-    out = torch.zeros_like(x)
+    if r.gate_module:
+        chosen, weights = _gate_routing(r, hidden)
+        acc = weights.dtype
+    else:
+        logits = getattr(m, r.router)(x)
+        weights = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, r.top_k, dim=-1)
+        if r.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        acc = x.dtype
+    dense = torch.zeros(x.shape[0], r.n_experts, dtype=acc, device=x.device).scatter(1, chosen, weights.to(acc))
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
     with fx_traceback.annotate({"moe_active": r.top_k / r.n_experts}):
         for e, expert in enumerate(m.experts):
-            out = out + expert(x) * dense[:, e:e + 1]
-    shared = getattr(m, "shared_expert", None)
+            out = out + expert(x).to(acc) * dense[:, e:e + 1]
+    out = out.to(x.dtype)
+    shared = getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None)
     if shared is not None:
         gate = getattr(m, "shared_expert_gate", None)
         y = shared(x)
         out = out + (torch.sigmoid(gate(x)) * y if gate is not None else y)
+    if r.gate_module:
+        return out.reshape(b, s, h)
     return out.reshape(b, s, h), logits
 
 
@@ -461,16 +505,16 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
 
     blocks = routed_experts(model)
     for r in blocks:
-        router = getattr(r.module, r.router)
-        w = router.weight
+        w = getattr(r.module, r.router).weight
         if w.device.type == "meta" or isinstance(w, (FakeTensor, DTensor)):  # nothing real to run
             continue
         gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(1, tokens, router.in_features, generator=gen, dtype=w.dtype).to(w.device)
+        x = torch.randn(1, tokens, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
         with torch.no_grad():
             own = r.module(x)
             mine = fixed_shape_experts_forward(r, x)
         own_t = own if isinstance(own, tuple) else (own,)
+        mine = mine if isinstance(mine, tuple) else (mine,)
         if len(own_t) != len(mine) or any(not isinstance(a, torch.Tensor) or a.shape != b.shape
                                           for a, b in zip(own_t, mine)):
             why = "its outputs have other shapes"
@@ -538,13 +582,18 @@ def _fused_attention(*args, **kwargs) -> torch.Tensor | None:
     rep = q.shape[-3] // k.shape[-3]
     if rep > 1:
         k, v = (t.repeat_interleave(rep, dim=-3) for t in (k, v))
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:  # a narrower value head (DeepSeek's MLA): padded in, sliced out, as flash kernels do
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
+    elif dv > q.shape[-1]:
+        return None
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     elif mask is not None:
         mask = mask.to(q.dtype)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, bool(a.get("is_causal", False)), attn_mask=mask, scale=a.get("scale"))
-    return out
+    return out[..., :dv]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ BREAKDOWN_LABELS = {
     "compute": "compute (fwd + bwd)",
     "recompute": "recompute (activation checkpointing)",
     "tp_comm": "exposed TP/SP collectives",
+    "cp_comm": "exposed CP key/value all-gathers and reduce-scatters",
     "fsdp_comm": "exposed FSDP all-gather / reduce-scatter",
     "dp_comm": "exposed DP gradient all-reduce",
     "pp_p2p": "pipeline send/recv",

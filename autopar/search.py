@@ -57,11 +57,12 @@ from autopar.errors import AutoparError, InfeasibleError
 log = logging.getLogger(__name__)
 
 PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
-            "dp_overlap"}
+            "dp_overlap", "cp"}
 # How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
 ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
                  "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
-                 "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward"}
+                 "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward",
+                 "cp": "autopar's executor does not split a sequence over ranks (context parallelism)"}
 
 
 @dataclass
@@ -141,7 +142,7 @@ def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
     """Clear errors for pins that can never work, before searching."""
     m = ctx.model
     for k, why in ESTIMATE_ONLY.items():
-        if k in pins and pins[k] not in ("", "layer", True):
+        if k in pins and pins[k] not in ("", "layer", True, 1):
             raise AutoparError(f"{k}={pins[k]} is priced by `autopar estimate` only: {why}, so the planner does "
                                "not choose it")
     prod = 1

@@ -76,6 +76,12 @@ def profiled(model_key: tuple, seq: int):
     kind = model_key[0]
     if kind == "preset":
         return api.profile_model(model_key[1], seq_len=seq).profile
+    if kind == "llama":  # a Llama-architecture model of the published shape (SwiGLU, RMSNorm, RoPE, GQA)
+        _, h, heads, kv_heads, ffn, layers, vocab = model_key
+        lcfg = models.LlamaConfig(dim=h, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn,
+                                  vocab_size=vocab, max_seq_len=seq)
+        src = models.ModelSource(f"llama-h{h}-l{layers}", lambda: models.Llama(lcfg), seq, vocab)
+        return api.profile_model(src, seq_len=seq).profile
     _, h, heads, layers, vocab, tied = model_key
     cfg = models.GPTConfig(h, layers, heads, vocab, seq, tie_embeddings=tied)
     src = models.ModelSource(f"gpt-h{h}-l{layers}", lambda: models.GPT(cfg), seq, vocab)
@@ -87,6 +93,10 @@ def model_key(m: dict) -> tuple | None:
         return ("preset", TORCHTITAN_PRESET[(m["name"], m["layers"])])
     if m.get("arch") == "gpt":
         return ("gpt", m["hidden"], m["heads"], m["layers"], m["vocab"], True)
+    shape = [m.get(k) for k in ("hidden", "heads", "kv_heads", "ffn_hidden", "layers", "vocab")]
+    if (m.get("arch") in (None, "llama") and all(isinstance(v, int) and v > 0 for v in shape)
+            and shape[0] % shape[1] == 0 and shape[1] % shape[2] == 0):
+        return ("llama", *shape)  # any other Llama-family run, built from the shape it publishes
     return None
 
 
@@ -135,8 +145,6 @@ def runs() -> list[tuple[dict, dict | None]]:
         key = model_key(m) if not r.get("skip") else None
         if r.get("skip"):
             row["skip"] = r["skip"]
-        elif (c.get("cp") or 1) > 1:
-            row["skip"] = "context parallelism is not modelled"
         elif key is None:
             row["skip"] = "no model of this shape"
         if "skip" in row:
@@ -175,7 +183,7 @@ def runs() -> list[tuple[dict, dict | None]]:
             "cfg": Config(tp=c["tp"], pp=pp, dp=c["dp"], dp_shard=c["dp"] if c["fsdp"] else 1, sp=sp,
                           fsdp=bool(c["fsdp"]), mb=mb, schedule=sched if pp > 1 else "1f1b", v=v, reshard=reshard,
                           fsdp_once=once if c["fsdp"] else "", fsdp_unit=c.get("fsdp_unit", "layer"),
-                          dp_overlap=c.get("dp_overlap", True)),
+                          dp_overlap=c.get("dp_overlap", True), cp=c.get("cp") or 1),
             # Row-wise scaled Float8 runs at bf16 speed in these tables (its scaling costs what
             # the fp8 matmuls save); tensor-wise Float8 doubles the matmul peak.
             "global_batch": local * c["dp"], "ac": ac, "fp8": "float8" in prec and "row" not in prec,

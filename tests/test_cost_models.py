@@ -303,3 +303,54 @@ def test_loss_backward_holds_two_fp32_logits_beside_the_saved(llama8b, tp):
     assert sm.coeffs.backward_ws < 2 * logits_fp32
     outer_act = sm.outer["pre"]["act"] + sm.outer["post"]["act"]
     assert sm.rank_memory(0, (0, 0, 0))["activations"] == pytest.approx(outer_act + 2 * logits_fp32, rel=1e-6)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_context_parallel_splits_the_tokens_and_gathers_keys_and_values(llama8b, tp):
+    """cp=2 gives each rank half of every sequence: its compute (attention included: half the
+    queries against every key), activations and TP messages halve; FSDP shards the parameters
+    over dp_shard x cp; each layer all-gathers the whole sequence's keys and values (forward and
+    backward) and reduce-scatters their gradients over the cp group, on its own key/value heads."""
+    hw = load_hardware("h100")
+    ctx = CostContext(llama8b, hw, 8)
+    one = StageModel(ctx, Config(tp=tp, sp=tp > 1, dp=8, dp_shard=8, fsdp=True, mb=1))
+    two = StageModel(ctx, Config(tp=tp, sp=tp > 1, dp=8, dp_shard=8, fsdp=True, mb=1, cp=2))
+    assert two.cfg.world == 2 * one.cfg.world == 16 * tp and "cp=2" in two.cfg.short()
+    for ac in ("none", "full"):
+        assert two.coeffs.parts[ac]["compute"] == pytest.approx(one.coeffs.parts[ac]["compute"] / 2, rel=0.02)
+        assert two.coeffs.act[ac] == pytest.approx(one.coeffs.act[ac] / 2, rel=1e-9)
+    assert two.coeffs.static == pytest.approx(one.coeffs.static / 2, rel=1e-9)
+    b = llama8b.blocks[0]
+    kv = 2 * llama8b.seq_len * (b.kv_heads // tp if b.kv_heads >= tp else b.kv_heads) * b.head_dim * 2
+    g = two.g_cp
+    assert g == Group(2, 2 if tp == 1 else 1)
+    want = 2 * collective_time(hw, "all_gather", kv, g) + collective_time(hw, "reduce_scatter", kv, g)
+    assert two.coeffs.parts["none"]["cp_comm"] == pytest.approx(want, rel=1e-9)
+    assert one.coeffs.parts["none"]["cp_comm"] == 0.0
+    e = estimate(ctx, two.cfg, ac="none")
+    cp = [c for c in e.collectives if c["group"] == "cp"]
+    assert {c["kind"] for c in cp} == {"all_gather", "reduce_scatter"} and all(c["bytes"] == kv for c in cp)
+    assert any(c["group"] == "dp_shard x cp" and c["group_size"] == 16 for c in e.collectives)
+    if tp > 1:  # the sequence-parallel messages carry half the tokens
+        tp_msgs = {c["bytes"] for c in e.collectives if c["group"] == "tp" and c["kind"] == "all_gather"}
+        assert llama8b.seq_len * llama8b.hidden * 2 / 2 in tp_msgs
+
+
+def test_context_parallel_is_priced_not_planned(llama8b, tmp_path):
+    from autopar import api, search
+    from autopar.plan import Plan
+
+    ctx = CostContext(llama8b, load_hardware("h100"), 8)
+    with pytest.raises(AutoparError, match="multiple of 8"):
+        estimate(CostContext(profile("llama-tiny", 60), load_hardware("h100"), 8), Config(dp=2, cp=4))
+    with pytest.raises(AutoparError, match="cp=2 is priced by `autopar estimate` only"):
+        search.check_pins(ctx, 16, search.parse_pins("cp=2"))
+    plan, est, _ = api.estimate_plan("llama-tiny", 8, "dp=4,cp=2,fsdp=1", global_batch=8)
+    assert est.config.cp == 2 and plan.pins["cp"] == 2
+    with pytest.raises(AutoparError, match=r"tp\*pp\*dp\*cp = 1\*1\*2\*2 = 4 but there are 8 GPUs"):
+        api.estimate_plan("llama-tiny", 8, "dp=2,cp=2", global_batch=8)
+    path = tmp_path / "cp.json"
+    plan.save(str(path))
+    with pytest.raises(AutoparError, match="priced by `autopar estimate` with cp=2"):
+        api._resolve_plan(Plan.load(str(path)), None, 8, None, example_inputs=None, hardware=None, global_batch=None,
+                          memory_limit_gb=None, loss_fn=None, device="cpu")

@@ -57,6 +57,31 @@ def test_fixed_shape_form_matches_the_block(kind):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_gate_module_routing_is_run_as_it_is():
+    """DeepSeek-V2's block routes with a gate module of its own (softmax top-k, scaled, no
+    renormalisation) and sorts tokens by expert in a data-dependent loop; the fixed-shape form runs
+    that gate as it is and returns the block's output alone, as the block does."""
+    torch.manual_seed(0)
+    model = zoo.build("hf-deepseek-v2")
+    blocks = capture.check_routed_experts(model)
+    assert len(blocks) == 2 and all(b.gate_module and b.top_k == 2 and b.n_experts == 4 for b in blocks)
+    m = blocks[0].module
+    m.gate.routed_scaling_factor = 1.5  # the gate's own scaling is kept, whatever it is
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    own, mine = m(x), capture.fixed_shape_experts_forward(blocks[0], x)
+    torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
+    g_own = torch.autograd.grad(own.square().sum(), [x, m.gate.weight])
+    g_mine = torch.autograd.grad(mine.square().sum(), [x, m.gate.weight])
+    for a, b in zip(g_mine, g_own):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # Planned (its data-dependent loop would stop a trace) and priced at the active share: two
+    # more experts per token are 3 matmuls of 64 x 32 more each, forward, 32 tokens.
+    four = zoo.build("hf-deepseek-v2", num_experts_per_tok=4)
+    assert _matmul_flops(four) - _matmul_flops(model) == pytest.approx(2 * 2 * 3 * 64 * 32 * 32, rel=1e-6)
+    prof = api.profile_model(model, seq_len=32).profile
+    assert prof.n_params == sum(p.numel() for p in model.parameters())
+
+
 class SigmoidRouted(nn.Module):
     """Looks like a routed-experts block, but scores experts with a sigmoid (as DeepSeek-V3 does)."""
 

@@ -11,7 +11,8 @@ VOCAB = 256
 DROPOUT_OFF = {"attention_dropout": 0.0}
 
 
-def _hf(kind: str) -> nn.Module:
+def _hf(kind: str, **overrides) -> nn.Module:
+    """``overrides``: config fields set after the family's own (e.g. ``num_experts_per_tok``)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, max_position_embeddings=64, use_cache=False)
@@ -70,8 +71,17 @@ def _hf(kind: str) -> nn.Module:
         cfg = tf.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=8, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0, n_positions=64, vocab_size=VOCAB, use_cache=False)
         cls = tf.GPTBigCodeForCausalLM
+    elif kind == "hf-deepseek-v2":  # MLA attention, a dense first layer, 4 routed experts (gate module) + shared
+        cfg = tf.DeepseekV2Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                                  num_attention_heads=8, num_key_value_heads=8, n_routed_experts=4, n_shared_experts=1,
+                                  num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, topk_method="greedy",
+                                  routed_scaling_factor=1.0, **common)
+        cls = tf.DeepseekV2ForCausalLM
     else:
         raise KeyError(kind)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
     # GPT-J and BLOOM have no SDPA path in transformers; their eager attention is what users run.
     cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom") else "sdpa"
     return cls(cfg)
@@ -134,9 +144,9 @@ class CustomLlama(nn.Module):
         return self.out(self.norm(x))
 
 
-def build(kind: str) -> nn.Module:
+def build(kind: str, **overrides) -> nn.Module:
     if kind.startswith("hf-"):
-        return _hf(kind)
+        return _hf(kind, **overrides)
     if kind == "custom-llama":
         return CustomLlama()
     import dataclasses

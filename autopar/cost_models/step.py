@@ -86,10 +86,21 @@ class Config:
     # (False: Megatron-LM's local DDP until 2023 and DeepSpeed's pipeline engine all-reduce once
     # the backward is done). Priced for published runs; the search never sets it.
     dp_overlap: bool = True
+    # Context parallelism: each sequence split over ``cp`` ranks (between dp_shard and tp in the
+    # mesh), attention gathering the keys and values of the whole sequence (ring attention with
+    # all-gathered K/V, torchtitan's and torch's ``context_parallel``); FSDP shards the parameters
+    # over dp_shard x cp and gradients are reduced over dp x cp. Priced for published runs; the
+    # search never sets it (autopar's executor does not split sequences).
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def shard(self) -> int:
+        """Ranks one parameter is sharded over: FSDP's dp_shard (times cp, folded into it)."""
+        return self.dp_shard * self.cp if self.fsdp else 1
 
     @property
     def dp_replicate(self) -> int:
@@ -98,7 +109,7 @@ class Config:
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
                 int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit,
-                int(self.dp_overlap))
+                int(self.dp_overlap), self.cp)
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -112,6 +123,8 @@ class Config:
             s += f",unit={self.fsdp_unit}"
         if not self.fsdp and self.dp > 1 and not self.dp_overlap:
             s += ",dp_overlap=0"
+        if self.cp > 1:
+            s += f",cp={self.cp}"
         if self.pp > 1:
             s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
         return s
@@ -205,13 +218,19 @@ class StageModel:
             raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the model's {m.n_layers} layers")
         local = ctx.global_batch // cfg.dp
         self.M = local // cfg.mb
-        mesh = [cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.tp]
+        # The mesh pp x dp_replicate x (dp_shard x cp) x tp: FSDP shards over dp_shard and cp together.
+        mesh = [cfg.pp, cfg.dp_replicate, cfg.dp_shard * cfg.cp, cfg.tp]
         gpn = hw.gpus_per_node
         self.g_pp = group_on_mesh(mesh, 0, gpn)
         self.g_rep = group_on_mesh(mesh, 1, gpn)
         self.g_shard = group_on_mesh(mesh, 2, gpn)
         self.g_tp = group_on_mesh(mesh, 3, gpn)
-        self.g_dp = Group(cfg.dp, self.g_shard.per_node * (self.g_rep.per_node if self.g_shard.nodes == 1 else 1))
+        self.g_cp = group_on_mesh([cfg.pp, cfg.dp, cfg.cp, cfg.tp], 2, gpn)
+        self.g_dp = Group(cfg.dp * cfg.cp,
+                          self.g_shard.per_node * (self.g_rep.per_node if self.g_shard.nodes == 1 else 1))
+        # Per microbatch a rank holds mb sequences' 1/cp share of the tokens (and of the attention:
+        # its queries against every key), so everything that scales with tokens scales by this.
+        self.tokens = cfg.mb / cfg.cp
         self.block = {id(b): self._layer_cached(b) for b in m.blocks}
         self.layers = m.layer_sequence()
         self.coeffs = self.block[id(self.layers[0])] if len(m.blocks) == 1 else self._average()
@@ -240,14 +259,14 @@ class StageModel:
         and v (a layer's coefficients depend on none of them)."""
         cfg = self.cfg
         key = ("layer", id(b), cfg.tp, cfg.mb, cfg.sp, cfg.fsdp, cfg.dp_shard, cfg.dp_replicate, cfg.reshard,
-               cfg.fsdp_once, cfg.fsdp_unit, self.M)
+               cfg.fsdp_once, cfg.fsdp_unit, self.M, cfg.cp)
         if key not in self._cache:
             self._cache[key] = self._layer(b)
         return self._cache[key]
 
     def _layer(self, b: BlockProfile) -> LayerCoeffs:
         ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
-        tp, mb, sp = cfg.tp, cfg.mb, cfg.sp
+        tp, mb, sp = cfg.tp, self.tokens, cfg.sp
         ct = self._times(b.costs, mb, tp, sp, ctx.fp8)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         tp_fwd = tp_bwd = 0.0
@@ -255,6 +274,11 @@ class StageModel:
             t = self._ct(kind, nbytes, self.g_tp)
             tp_fwd += n_fwd * t
             tp_bwd += n_bwd * t
+        cp_fwd = cp_bwd = 0.0
+        for kind, nbytes, n_fwd, n_bwd, _ in cp_layer_collectives(b, cfg, ctx):
+            t = self._ct(kind, nbytes, self.g_cp)
+            cp_fwd += n_fwd * t
+            cp_bwd += n_bwd * t
         if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
             tp_fwd, tp_bwd = tp_fwd * 0.3, tp_bwd * 0.3
         p_local = b.params_tp / tp + b.params_rep
@@ -266,7 +290,7 @@ class StageModel:
         # One collective per parameter tensor: each gather beyond a layer's first adds the ring's
         # latency, in the forward and (resharded) again in the backward.
         per_tensor = 0.0
-        if cfg.fsdp_unit == "tensor" and cfg.fsdp and cfg.dp_shard > 1:
+        if cfg.fsdp_unit == "tensor" and cfg.shard > 1:
             gathers = 2 if cfg.reshard and cfg.fsdp_once != "gather" else 1
             per_tensor = (len(b.param_shapes) - 1) * gathers * self._ct("all_gather", 1.0, self.g_shard)
             if cfg.fsdp_once == "gather":  # gathered once per step, spread over its microbatches
@@ -276,6 +300,7 @@ class StageModel:
             fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd + rec[ac], cfg.reshard) + per_tensor
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
+                "cp_comm": cp_bwd + cp_fwd * (2 if ac == "full" else 1),
                 "fsdp_comm": fsdp,
                 # A full recompute runs the forward third of the DTensor dispatches again.
                 "tp_eager_overhead": eager * (4 / 3 if ac == "full" else 1.0),
@@ -312,7 +337,7 @@ class StageModel:
         to the latter), and the processor time of all of them per microbatch (``collective_transfer``;
         with ``fsdp_once="gather"`` they run once per step)."""
         cfg, ctx, hw = self.cfg, self.ctx, self.ctx.hw
-        if not (cfg.fsdp and cfg.dp_shard > 1):
+        if cfg.shard <= 1:
             return 0.0, 0.0, 0.0
         reshard = reshard and cfg.fsdp_once != "gather"
         ag_bytes, rs_bytes = p_local * ctx.act_bytes, p_local * 4
@@ -321,8 +346,8 @@ class StageModel:
         busy = (self._cx("all_gather", ag_bytes, self.g_shard) * (2 if reshard else 1)
                 + self._cx("reduce_scatter", rs_bytes, self.g_shard))
         if cfg.dp_replicate > 1:
-            rs += self._ct("all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
-            busy += self._cx("all_reduce", rs_bytes / cfg.dp_shard, self.g_rep)
+            rs += self._ct("all_reduce", rs_bytes / cfg.shard, self.g_rep)
+            busy += self._cx("all_reduce", rs_bytes / cfg.shard, self.g_rep)
         if cfg.fsdp_once == "gather":
             busy /= self.M
         return ag, rs, busy
@@ -334,7 +359,7 @@ class StageModel:
             return 0.0
         return (linears * hw.tp_linear_us + (sequence_ops * hw.sp_op_us if cfg.sp else 0.0)) * 1e-6
 
-    def _times(self, costs, mb: int, tp: int, sp: bool, fp8: bool):
+    def _times(self, costs, mb: float, tp: int, sp: bool, fp8: bool):
         key = (id(costs), mb, tp, sp, fp8)
         if key not in self._cache:
             ctx = self.ctx
@@ -364,18 +389,17 @@ class StageModel:
         else:
             per = 4 + 4 + 8  # fp32 master param, fp32 grad, AdamW states
             extra = 0.0 if cfg.fsdp else 2.0  # bf16 copies of the weights without FSDP
-        shard = cfg.dp_shard if cfg.fsdp else 1
-        return p_local * per / shard + p_local * extra
+        return p_local * per / cfg.shard + p_local * extra
 
     # -- embedding / head ---------------------------------------------------------------------
     def _outer(self):
         ctx, cfg, hw, m = self.ctx, self.cfg, self.ctx.hw, self.ctx.model
-        tp, mb = cfg.tp, cfg.mb
+        tp, mb = cfg.tp, self.tokens
         tied_vocab, tied_rep = m.tied_outside if self.post_rank else (0, 0)  # a copy on another rank
         # Shared by the configurations of a search that differ only in pp (beyond where the tied
         # copy is), schedule, v and reshard.
         key = ("outer", tp, mb, cfg.sp, cfg.fsdp, cfg.dp_shard, cfg.dp_replicate, cfg.fsdp_once, self.M,
-               bool(self.post_rank))
+               bool(self.post_rank), cfg.cp)
         if key not in self._cache:
             self._cache[key] = {name: self._outer_segment(name, prof, tied_vocab, tied_rep)
                                 for name, prof in (("pre", m.pre), ("post", m.post))}
@@ -384,10 +408,10 @@ class StageModel:
         self.p2p = self.pp_runtime = 0.0
         # The tied weight's two gradient copies (first and last stage) summed once per step, over
         # a group of two ranks as far apart as the pipeline's ends (Megatron's embedding group).
-        self.tied_grad_bytes = (tied_vocab / tp + tied_rep) * 4 / (cfg.dp_shard if cfg.fsdp else 1)
+        self.tied_grad_bytes = (tied_vocab / tp + tied_rep) * 4 / cfg.shard
         self.tied_ar = 0.0
         if self.tied_grad_bytes:
-            g_ends = group_on_mesh([2, cfg.dp_replicate, cfg.dp_shard, cfg.tp], 0, hw.gpus_per_node)
+            g_ends = group_on_mesh([2, cfg.dp_replicate, cfg.dp_shard * cfg.cp, cfg.tp], 0, hw.gpus_per_node)
             self.tied_ar = self._ct("all_reduce", self.tied_grad_bytes, g_ends)
         if cfg.pp > 1:
             self.p2p = 2 * self._ct("send_recv", hid, self.g_pp) * cfg.v
@@ -396,7 +420,7 @@ class StageModel:
 
     def _outer_segment(self, name: str, prof, tied_vocab: float, tied_rep: float) -> dict:
         ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
-        tp, mb = cfg.tp, cfg.mb
+        tp, mb = cfg.tp, self.tokens
         ct = self._times(prof.costs, mb, tp, cfg.sp, False)
         p_local = prof.params_vocab / tp + prof.params_rep
         if name == "post":  # the last stage's copy of a head tied to the embedding
@@ -470,7 +494,7 @@ class StageModel:
         act = self.inflight(r) * sum(k * c.act[a] for k, a in zip(ac, AC_MODES))
         static = n * c.static
         working = 0.0
-        if cfg.fsdp and cfg.dp_shard > 1:
+        if cfg.shard > 1:
             keep = cfg.reshard and cfg.fsdp_once != "gather"
             working = (2 * c.working_param) if keep else n * c.working_param
             if cfg.fsdp_once:  # unsharded fp32 gradients accumulated across the microbatches
@@ -486,7 +510,7 @@ class StageModel:
                 static += o["static"]
                 outer_act += o["act"] * (post_inflight if name == "post" else self.inflight(r))
                 ws = max(ws, o["grad_ws"])
-                if cfg.fsdp and cfg.dp_shard > 1:
+                if cfg.shard > 1:
                     working = max(working, o["working"]) if keep else working + o["working"] * (
                         1 + (4 / self.ctx.act_bytes if cfg.fsdp_once else 0))
         return {
@@ -552,9 +576,8 @@ class StageModel:
     def optimizer_time(self) -> float:
         ranks = [self.rank_params(r) for r in range(self.cfg.pp)] if self.cfg.pp > 1 else [self.rank_params(0)]
         p = max(ranks)
-        shard = self.cfg.dp_shard if self.cfg.fsdp else 1
         # AdamW reads param, grad, two states and writes param and two states: 28 bytes (fp32).
-        return p / shard * 28 / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
+        return p / self.cfg.shard * 28 / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
 
     def rank_params(self, r: int) -> float:
         """Local parameter elements of rank ``r`` under a balanced split."""
@@ -581,7 +604,7 @@ class StageModel:
 
     def dp_exposed(self) -> float:
         cfg, hw = self.cfg, self.ctx.hw
-        if cfg.dp == 1 or cfg.fsdp:
+        if cfg.dp * cfg.cp == 1 or cfg.fsdp:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
         ar = self._ct("all_reduce", p * 4, self.g_dp)
@@ -594,7 +617,7 @@ class StageModel:
         """Processor time of the data-parallel gradient all-reduce (without FSDP): its exposed
         part, or its transfer work where that is larger (overlapped, it still runs on the cores)."""
         cfg = self.cfg
-        if cfg.dp == 1 or cfg.fsdp:
+        if cfg.dp * cfg.cp == 1 or cfg.fsdp:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
         return max(self.dp_exposed(), self._cx("all_reduce", p * 4, self.g_dp))
@@ -651,31 +674,39 @@ class StageModel:
                     if nf + nb:
                         out.append({"kind": kind, "group": "tp", "group_size": cfg.tp, "bytes": nbytes,
                                     "count": (nf + nb) * M, "why": why})
-        if cfg.fsdp and cfg.dp_shard > 1:
+        if cfg.cp > 1 and m.blocks:
+            for kind, nbytes, nf, nb, why in cp_layer_collectives(m.blocks[0], cfg, ctx):
+                count = (nf * (n + n_full) + nb * n) * M
+                if count:
+                    out.append({"kind": kind, "group": "cp", "group_size": cfg.cp, "bytes": nbytes, "count": count,
+                                "why": why})
+        shard_group = "dp_shard" if cfg.cp == 1 else "dp_shard x cp"
+        if cfg.shard > 1:
             p = self.coeffs.working_param
             per = 1 if cfg.fsdp_once == "gather" else M
             ag_count = n * per * (2 if cfg.reshard and cfg.fsdp_once != "gather" else 1)
             if cfg.fsdp_unit == "tensor" and m.blocks:
                 k = len(m.blocks[0].param_shapes)
-                out.append({"kind": "all_gather", "group": "dp_shard", "group_size": cfg.dp_shard,
+                out.append({"kind": "all_gather", "group": shard_group, "group_size": cfg.shard,
                             "bytes": p / k, "count": ag_count * k,
                             "why": "FSDP parameter unshard per tensor (mean size)"})
             else:
-                out.append({"kind": "all_gather", "group": "dp_shard", "group_size": cfg.dp_shard,
+                out.append({"kind": "all_gather", "group": shard_group, "group_size": cfg.shard,
                             "bytes": p, "count": ag_count, "why": "FSDP parameter unshard per layer"})
-            out.append({"kind": "reduce_scatter", "group": "dp_shard", "group_size": cfg.dp_shard,
+            out.append({"kind": "reduce_scatter", "group": shard_group, "group_size": cfg.shard,
                         "bytes": p / ctx.act_bytes * 4, "count": n * (1 if cfg.fsdp_once else M),
                         "why": "FSDP gradient reduce per layer"})
             if cfg.dp_replicate > 1:
                 out.append({"kind": "all_reduce", "group": "dp_replicate", "group_size": cfg.dp_replicate,
-                            "bytes": p / ctx.act_bytes * 4 / cfg.dp_shard, "count": n * (1 if cfg.fsdp_once else M),
+                            "bytes": p / ctx.act_bytes * 4 / cfg.shard, "count": n * (1 if cfg.fsdp_once else M),
                             "why": "HSDP gradient all-reduce across replicas"})
-        elif cfg.dp > 1:
+        elif cfg.dp * cfg.cp > 1:
             p = max(self.rank_params(r) for r in range(cfg.pp))
-            out.append({"kind": "all_reduce", "group": "dp", "group_size": cfg.dp, "bytes": p * 4,
+            out.append({"kind": "all_reduce", "group": "dp" if cfg.cp == 1 else "dp x cp", "group_size": cfg.dp * cfg.cp,
+                        "bytes": p * 4,
                         "count": 1, "why": "data-parallel gradient all-reduce (bucketed)"})
         if cfg.pp > 1:
-            hid = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes / (cfg.tp if cfg.sp else 1)
+            hid = self.tokens * m.seq_len * m.hidden * ctx.act_bytes / (cfg.tp if cfg.sp else 1)
             out.append({"kind": "send_recv", "group": "pp", "group_size": cfg.pp, "bytes": hid,
                         "count": 2 * M * cfg.v, "why": "pipeline activations and gradients"})
             if self.tied_grad_bytes:
@@ -691,7 +722,7 @@ def tp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
     at gathers. With SP: all-gather/reduce-scatter in place of each, mirrored in backward."""
     if cfg.tp == 1 or not b.rows:
         return []
-    msg = cfg.mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes
+    msg = cfg.mb / cfg.cp * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes
     g, r = b.gathers, b.rows
     if not cfg.sp:
         return [("all_reduce", msg, r, g, "TP row outputs (fwd), column inputs' gradients (bwd)")]
@@ -701,12 +732,26 @@ def tp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
     ]
 
 
+def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
+    """What context parallelism moves per layer and microbatch (kind, bytes, forward count,
+    backward count, why): the keys and values of the whole sequence gathered before attention
+    (in the forward, and again in the backward, which frees them in between), and their
+    gradients reduce-scattered back to the ranks that own those tokens. Under TP each rank
+    gathers its own key/value heads."""
+    if cfg.cp == 1:
+        return []
+    kv_local = b.kv_heads // cfg.tp if b.kv_heads >= cfg.tp else b.kv_heads
+    msg = cfg.mb * ctx.model.seq_len * 2 * kv_local * b.head_dim * ctx.act_bytes
+    return [("all_gather", msg, 1, 1, "CP: keys and values of the whole sequence (attention)"),
+            ("reduce_scatter", msg, 0, 1, "CP: key and value gradients to their tokens' ranks")]
+
+
 def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tuple]:
     """TP collectives of the vocabulary-parallel embedding ("pre") and head ("post")."""
     if cfg.tp == 1:
         return []
     m = ctx.model
-    msg = cfg.mb * m.seq_len * m.hidden * ctx.act_bytes
+    msg = cfg.mb / cfg.cp * m.seq_len * m.hidden * ctx.act_bytes
     if segment == "pre":
         out = [("all_reduce", msg, 1, 0, "vocab-parallel embedding output")]
         if cfg.sp:  # the residual stream splits at the first block: its gradient is gathered
@@ -714,7 +759,7 @@ def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tu
         return out
     # Loss parallelism: the logits stay split; three all-reduces of one fp32 value per token
     # (row max, sum of exponentials, the target's logit).
-    per_token = cfg.mb * m.seq_len * 4
+    per_token = cfg.mb / cfg.cp * m.seq_len * 4
     out = [("all_reduce", per_token, 3, 0, "loss-parallel cross-entropy: max, sum of exponentials, target logit")]
     if cfg.sp:
         out += [("all_gather", msg, 1, 0, "SP: head input"), ("reduce_scatter", msg, 0, 1, "SP: head input gradient")]
@@ -762,6 +807,15 @@ def validate_config(ctx: CostContext, cfg: Config) -> None:
         raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the {m.n_layers} layers of {m.name}")
     if cfg.sp and cfg.tp == 1:
         raise AutoparError("sequence parallelism needs tp > 1")
+    if cfg.cp > 1:
+        if m.seq_len % (2 * cfg.cp):
+            raise AutoparError(f"context parallelism splits each {m.seq_len}-token sequence into 2 x cp = {2 * cfg.cp} "
+                               "chunks (two per rank, balancing causal attention); use a sequence length that "
+                               f"is a multiple of {2 * cfg.cp}, or a smaller cp")
+        missing = [b.cls_name for b in m.blocks if not (b.kv_heads and b.head_dim)]
+        if missing:
+            raise AutoparError(f"cp={cfg.cp}: the analysis found no attention heads in {', '.join(sorted(set(missing)))} "
+                               f"of {m.name}, so what context parallelism gathers cannot be priced; use cp=1")
     if cfg.sp and m.seq_len % cfg.tp:
         raise AutoparError(f"sequence parallelism splits the {m.seq_len}-token sequence over tp={cfg.tp} ranks, which does "
                            f"not divide it; use a sequence length that is a multiple of {cfg.tp}, or sp=0")
