@@ -17,7 +17,11 @@ demo: $(VENV)/.installed
 	$(PY) -m autopar.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12 -m "not matrix"
+
+# Every model family's parity case (tests/test_parity.py, marker "matrix"): CI runs it after `make test`.
+test-matrix: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12 -m matrix
 
 # The presets' profiles that ship with the package (tests/test_plan_cli.py checks they are current:
 # rerun after a change to autopar/capture.py, analysis.py or models.py, or to torch).
@@ -40,4 +44,4 @@ bench: $(VENV)/.bench-deps
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench.run_all --quick
 
-.PHONY: install demo test profiles parity bench bench-deps bench-quick
+.PHONY: install demo test test-matrix profiles parity bench bench-deps bench-quick

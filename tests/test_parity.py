@@ -17,7 +17,7 @@ TRAJ_TOL = 2e-5  # later steps: AdamW divides by sqrt(v) and amplifies rounding 
 TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
 MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-gemma", "hf-gpt2", "hf-neox",
           "hf-phi3", "hf-opt", "hf-qwen2-moe", "hf-mixtral", "custom-llama", "hf-gptj", "hf-bloom", "hf-falcon",
-          "hf-falcon-new", "hf-bigcode"]
+          "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "torch-encoder"]
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
@@ -51,6 +51,8 @@ def case(model: str, plan_name: str, plan, **kw) -> dict:
 
 
 # Qwen2-MoE trains under FSDP 4 in the plans_hf launch; Mixtral covers routed experts under TP here.
+# Every family under TP 2 x FSDP 2 + SP: the ``matrix`` marker (``make test-matrix``, which CI runs
+# after ``make test``), in two launches that run side by side.
 CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-llama")) for m in MODELS
              if m != "hf-qwen2-moe"]
 # Every plan on the reference Llama; on HF Llama the plans whose graphs differ most from the
@@ -109,8 +111,9 @@ def _by_name(world, cases):
     return {c["name"]: [per_rank[i] for per_rank in res] for i, c in enumerate(cases)}
 
 
-LAUNCHES = {"models": (4, CI_MODELS), "plans": (4, CI_PLANS), "plans_hf": (4, CI_PLANS_HF), "pp4": (4, CI_PP4),
-            "pp2": (2, CI_PP2)}
+LAUNCHES = {"models_a": (4, CI_MODELS[0::2]), "models_b": (4, CI_MODELS[1::2]), "plans": (4, CI_PLANS),
+            "plans_hf": (4, CI_PLANS_HF), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2)}
+MATRIX = {"models_a", "models_b"}
 _results: dict = {}
 
 
@@ -122,12 +125,14 @@ def _launch(name: str) -> dict:
 
 
 # Each xdist group runs on one worker, so each launch runs once; two launches at a time.
-GROUP = {"models": "parity-a", "plans_hf": "parity-a", "plans": "parity-b", "pp4": "parity-c", "pp2": "parity-c"}
+GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans_hf": "parity-a", "plans": "parity-b",
+         "pp4": "parity-c", "pp2": "parity-c"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launch,c", [
-    pytest.param(name, c, marks=pytest.mark.xdist_group(GROUP[name]), id=f"{name}:{c['name']}")
+    pytest.param(name, c, id=f"{name}:{c['name']}",
+                 marks=[pytest.mark.xdist_group(GROUP[name])] + ([pytest.mark.matrix] if name in MATRIX else []))
     for name, (_, cases) in LAUNCHES.items() for c in cases])
 def test_parity(launch, c):
     check(_launch(launch)[c["name"]], c["plan"])
