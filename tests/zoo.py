@@ -144,32 +144,11 @@ class CustomLlama(nn.Module):
         return self.out(self.norm(x))
 
 
-class TorchEncoderLM(nn.Module):
-    """A causal LM from torch's own ``nn.TransformerEncoderLayer``: ``nn.MultiheadAttention`` with
-    its packed ``in_proj_weight`` (q, k and v in one (3d, d) matrix), a causal mask, pre-norm."""
-
-    def __init__(self, dim: int = 64, heads: int = 8, layers: int = 2):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True,
-                                                               norm_first=True) for _ in range(layers))
-        self.out = nn.Linear(dim, VOCAB, bias=False)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
-        for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=True)
-        return self.out(x)
-
-
 def build(kind: str, **overrides) -> nn.Module:
     if kind.startswith("hf-"):
         return _hf(kind, **overrides)
     if kind == "custom-llama":
         return CustomLlama()
-    if kind == "torch-encoder":
-        return TorchEncoderLM()
     import dataclasses
 
     from autopar import models
