@@ -63,7 +63,11 @@ def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
     pr = p.predicted
-    mesh = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, p.mesh_shape))
+    dims = list(zip(MESH_DIMS, p.mesh_shape))
+    cp = int(p.pins.get("cp", 1))  # priced by `autopar estimate` only: a mesh dim between dp_shard and tp
+    if cp > 1:
+        dims.insert(len(dims) - 1, ("cp", cp))
+    mesh = " x ".join(f"{n}={s}" for n, s in dims)
     con.print(f"[b]autopar plan[/b] for {p.model_name} on {p.world_size} x {p.hardware} "
               f"({p.precision}, global batch {p.global_batch} x {p.seq_len} tokens)")
     for note in p.notes:
@@ -72,6 +76,8 @@ def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
     extras = []
     if p.tp > 1:
         extras.append(f"TP {p.tp}" + (" + SP" if p.sp else ""))
+    if cp > 1:
+        extras.append(f"CP {cp} (each sequence over {cp} ranks; FSDP shards over dp_shard x cp)")
     if p.pp > 1:
         extras.append(f"PP {p.pp} ({p.schedule}" + (f", v={p.v}" if p.v > 1 else "") + f", {p.n_microbatches} microbatches of {p.mb})")
     else:

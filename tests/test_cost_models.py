@@ -347,6 +347,10 @@ def test_context_parallel_is_priced_not_planned(llama8b, tmp_path):
         search.check_pins(ctx, 16, search.parse_pins("cp=2"))
     plan, est, _ = api.estimate_plan("llama-tiny", 8, "dp=4,cp=2,fsdp=1", global_batch=8)
     assert est.config.cp == 2 and plan.pins["cp"] == 2
+    from autopar.explain import render
+
+    text = render(plan)
+    assert "dp_shard=4 x cp=2 x tp=1" in text and "CP 2" in text
     with pytest.raises(AutoparError, match=r"tp\*pp\*dp\*cp = 1\*1\*2\*2 = 4 but there are 8 GPUs"):
         api.estimate_plan("llama-tiny", 8, "dp=2,cp=2", global_batch=8)
     path = tmp_path / "cp.json"
