@@ -51,8 +51,8 @@ def case(model: str, plan_name: str, plan, **kw) -> dict:
 
 
 # Qwen2-MoE trains under FSDP 4 in the plans_hf launch; Mixtral covers routed experts under TP here.
-# Every family under TP 2 x FSDP 2 + SP: the ``matrix`` marker (``make test-matrix``, which CI runs
-# after ``make test``), in two launches that run side by side.
+# Every family under TP 2 x FSDP 2 + SP, and the HF plans below: the ``matrix`` marker (``make
+# test-matrix``, which CI runs after ``make test``), in launches that run side by side.
 CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-llama")) for m in MODELS
              if m != "hf-qwen2-moe"]
 # Every plan on the reference Llama; on HF Llama the plans whose graphs differ most from the
@@ -113,7 +113,7 @@ def _by_name(world, cases):
 
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2]), "models_b": (4, CI_MODELS[1::2]), "plans": (4, CI_PLANS),
             "plans_hf": (4, CI_PLANS_HF), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2)}
-MATRIX = {"models_a", "models_b"}
+MATRIX = {"models_a", "models_b", "plans_hf"}
 _results: dict = {}
 
 
@@ -125,7 +125,7 @@ def _launch(name: str) -> dict:
 
 
 # Each xdist group runs on one worker, so each launch runs once; two launches at a time.
-GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans_hf": "parity-a", "plans": "parity-b",
+GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans_hf": "parity-d", "plans": "parity-b",
          "pp4": "parity-c", "pp2": "parity-c"}
 
 
