@@ -10,7 +10,9 @@ Per microbatch, every layer on a pipeline rank costs (``LayerCoeffs``, one value
               + max(0, AG_fsdp - fwd) + max(0, [reshard] AG_fsdp + RS_fsdp - bwd - recompute(ac))
 
 (TP collectives are exposed; FSDP collectives are prefetched behind the neighbouring layer's
-compute and only the excess shows.) Rank ``r`` with ``n_r`` layers then costs
+compute and only the excess shows.) With context parallelism (``cp``, priced for published runs
+only) a rank holds ``mb / cp`` sequences' worth of tokens, so compute, activations and TP messages
+scale by it, and each layer adds its exposed K/V all-gathers and gradient reduce-scatters. Rank ``r`` with ``n_r`` layers then costs
 ``t_r = sum(t_layer) + [r == 0] t_embed + [r == last] t_head + p2p``. With ``M`` microbatches::
 
     no PP:            T = M * t_0
