@@ -185,16 +185,20 @@ def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> Non
             dist.destroy_process_group()
 
 
-def run(world: int, cases: list[dict], timeout: float = 1500, _retry: bool = True) -> list[list[dict]]:
+def run(world: int, cases: list[dict], timeout: float | None = None, _retry: bool = True) -> list[list[dict]]:
     """Results per rank (a list per case). An error on any rank ends the launch: the other
     ranks, which may wait in a collective for it, are stopped and reported as such. A launch
     in which a process died of a signal (gloo's transport was seen to crash, SIGSEGV or a heap
-    check's SIGABRT, under load on this 2-core machine) is run once more, and says so; any other failure is reported as is."""
+    check's SIGABRT, under load on this 2-core machine) is run once more, and says so; any other failure is reported as is.
+    ``timeout``: seconds for the whole launch; by default 10 minutes and 4 more per case, which a
+    cold Inductor cache on 2 shared cores needs (a fixed 25 minutes timed out launches of 9 cases)."""
     import queue
     import signal
     import sys
     import time
 
+    if timeout is None:  # a cold Inductor cache on 2 shared cores: minutes per case (compiles)
+        timeout = 600 + 240 * len(cases)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
