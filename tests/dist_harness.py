@@ -191,7 +191,7 @@ def run(world: int, cases: list[dict], timeout: float | None = None, _retry: boo
     in which a process died of a signal (gloo's transport was seen to crash, SIGSEGV or a heap
     check's SIGABRT, under load on this 2-core machine) is run once more, and says so; any other failure is reported as is.
     ``timeout``: seconds for the whole launch; by default 10 minutes and 4 more per case, which a
-    cold Inductor cache on 2 shared cores needs (a fixed 25 minutes timed out launches of 9 cases)."""
+    cold Inductor cache on 2 shared cores needs (a fixed 25 minutes was seen to run out there)."""
     import queue
     import signal
     import sys
