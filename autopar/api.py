@@ -475,11 +475,9 @@ def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Pro
     """The given Plan checked against this model's fingerprint and the world size, or a new plan
     under the given pins (see ``_plan_argument``)."""
     if isinstance(plan_arg, Plan):
-        priced_only = {k: v for k, v in plan_arg.pins.items() if k in search_mod.ESTIMATE_ONLY and v not in ("", "layer", True, 1)}
-        if priced_only:
-            k = next(iter(priced_only))
+        for k, v in search_mod.estimate_only(plan_arg.pins).items():
             raise PlanMismatchError(
-                f"the plan was priced by `autopar estimate` with {k}={priced_only[k]}, which autopar does not run "
+                f"the plan was priced by `autopar estimate` with {k}={v}, which autopar does not run "
                 f"({search_mod.ESTIMATE_ONLY[k]}); plan with `autopar explain` or pass plan=\"auto\" or pins")
         plan_arg.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
         return plan_arg

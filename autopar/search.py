@@ -138,13 +138,18 @@ def parse_pins(text: str | dict | None) -> dict:
     return out
 
 
+def estimate_only(pins: dict) -> dict:
+    """The pins that ask for something only ``autopar estimate`` prices (``ESTIMATE_ONLY`` away
+    from its default: what autopar's executor does)."""
+    return {k: v for k, v in pins.items() if k in ESTIMATE_ONLY and v not in ("", "layer", True, 1)}
+
+
 def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
     """Clear errors for pins that can never work, before searching."""
     m = ctx.model
-    for k, why in ESTIMATE_ONLY.items():
-        if k in pins and pins[k] not in ("", "layer", True, 1):
-            raise AutoparError(f"{k}={pins[k]} is priced by `autopar estimate` only: {why}, so the planner does "
-                               "not choose it")
+    for k, v in estimate_only(pins).items():
+        raise AutoparError(f"{k}={v} is priced by `autopar estimate` only: {ESTIMATE_ONLY[k]}, so the planner does "
+                           "not choose it")
     prod = 1
     for k in ("tp", "pp", "dp"):
         prod *= pins.get(k, 1)
