@@ -116,3 +116,17 @@ def test_router_jitter_is_refused_with_the_setting():
     cfg._attn_implementation = "sdpa"
     with pytest.raises(TraceError, match="router_jitter_noise=0"):
         api.profile_model(tf.MixtralForCausalLM(cfg), seq_len=32)
+
+
+def test_narrower_value_heads_priced_as_the_fused_kernel():
+    """Multi-head latent attention (DeepSeek) has value heads narrower than its query/key heads;
+    where this CPU would take the unfused path (an explicit mask), the planner's trace calls the
+    fused kernel with the values padded in and the output sliced back: same values and shape."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 16, 12), torch.randn(1, 4, 16, 12)
+    v = torch.randn(1, 4, 16, 8)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    got = capture._fused_attention(q, k, v, mask)
+    assert got is not None and got.shape == (1, 4, 16, 8)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
