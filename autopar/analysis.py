@@ -232,6 +232,11 @@ def fqn_index(fqn: str) -> tuple:
     return tuple(tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)) for p in fqn.split("."))
 
 
+def layer_index(param_name: str, layers: list[str]) -> int | None:
+    """The index of the repeated layer (a module path in ``layers``) that holds ``param_name``."""
+    return next((i for i, f in enumerate(layers) if param_name.startswith(f + ".")), None)
+
+
 def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
     while node.op == "call_function" and op_name(node.target) in VIEW_OPS and node.args:
         a = node.args[0]

@@ -567,14 +567,15 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
 
     grad_index = grad_inputs(sg, ctx.step.example)
     split = sum(i < len(params) for i in grad_index) if p.pp > 1 and p.schedule in ZERO_BUBBLE else None
-    cap, dp_groups = None, set()
-    if lay.dp_mesh is not None and "bucket" not in disabled:
-        from autopar.passes.bucket import layer_cap_mb
-
-        cap = layer_cap_mb(sg, [lay.tp_local_shape(i) for i in range(len(params))], example[0].element_size())
-        dp_groups = {mesh.get_group(d).group_name for d in lay.dp_dims}
+    dp = None
+    if lay.dp_mesh is not None:
+        dp = backend.DPCollectives(
+            param_layer=[analysis.layer_index(n, sg.layers) for n in sg.param_names],
+            grad_param=[i if i < len(params) else None for i in grad_index],
+            groups={mesh.get_group(d).group_name for d in lay.dp_dims}, prefetch=p.fsdp_prefetch,
+            merge="bucket" not in disabled)
     compiled = backend.build(joint, len(output_values(sg)), inductor=inductor and "inductor" not in disabled,
-                             split_weight=split, bucket_cap_mb=cap, dp_groups=dp_groups)
+                             split_weight=split, dp=dp)
     n_args = len(params) + len(buffers) + len(info["inputs"])
     # Backward nodes carry no annotation of their own: name them by the mesh dim of their group.
     dims = {}

@@ -37,6 +37,17 @@ class CompiledStep:
     bw_weight_strides: list = None
 
 
+@dataclass
+class DPCollectives:
+    """What ``passes/overlap.py`` needs to schedule the data-parallel collectives of a step."""
+
+    param_layer: list  # parameter index -> its repeated layer (None outside the layers)
+    grad_param: list  # backward output -> the parameter whose gradient it is (None otherwise)
+    groups: set  # names of the data-parallel process groups
+    prefetch: int = 1  # buckets gathered ahead of use
+    merge: bool = True  # one collective per bucket (False: one per parameter)
+
+
 def partition(joint: torch.fx.GraphModule, n_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     return min_cut_rematerialization_partition(joint, None, num_fwd_outputs=n_outputs)
 
@@ -111,14 +122,17 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     # AOTAutograd's forward-loss-backward rematerialisation must not look for backward regions
     # in them (with MoE blocks under TP and selective AC it found several in the forward graph
     # and refused to compile: "disjoint backward regions that require recomputation").
-    with torch.no_grad(), torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
+    # Inductor's peak-memory reordering is off: the graph's order (gathers at use, prefetch, the
+    # reductions' waits: passes/overlap.py) is the schedule that runs and that memory.py prices.
+    with torch.no_grad(), torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), \
+            torch._inductor.config.patch(reorder_for_peak_memory=False):
         art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs",
                                                  fake_mode=_fake_mode(vals))
     return art
 
 
 def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None,
-          bucket_cap_mb: float | None = None, dp_groups: set[str] = frozenset()) -> CompiledStep:
+          dp: DPCollectives | None = None) -> CompiledStep:
     """Partition and compile. With several processes, rank 0 compiles first and the others
     after it: ranks with the same graph (TP and data-parallel ranks have the same one) then load
     Inductor's cached code instead of compiling it again on the same cores."""
@@ -126,10 +140,12 @@ def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_wei
 
     t0 = time.perf_counter()
     fw, bw = partition(joint, n_outputs)
-    if bucket_cap_mb is not None:  # passes/bucket.py: per-layer buckets of FSDP/DP collectives
-        from autopar.passes.bucket import bucket
+    if dp is not None:  # passes/overlap.py: per-layer buckets, gathered at use, prefetched
+        from autopar.passes.overlap import schedule
 
-        fw, bw = bucket(fw, bucket_cap_mb, dp_groups), bucket(bw, bucket_cap_mb, dp_groups)
+        kw = dict(param_layer=dp.param_layer, dp_groups=dp.groups, prefetch=dp.prefetch, merge=dp.merge)
+        fw = schedule(fw, grad_param=[], **kw)
+        bw = schedule(bw, grad_param=dp.grad_param, **kw)
     ordered = inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
     if ordered and dist.get_rank() != 0:
         dist.barrier()

@@ -88,6 +88,9 @@ class Plan:
     notes: tuple = ()
     # Under PP: each pipeline schedule's best prediction on this mesh (schedule, v, s/step, bubble).
     schedules: tuple = ()
+    # FSDP: parameter buckets (one per layer) gathered ahead of their use (1: while the layer
+    # before computes, as FSDP2 does); priced as (1 + prefetch) layers of gathered weights.
+    fsdp_prefetch: int = 1
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------

@@ -38,6 +38,34 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def allocator_peak_mib(fn) -> float:
+    """How much memory one step allocates at its peak beyond what the process holds before it
+    (parameters and optimizer state, no gradients): gradients, saved activations, workspaces and
+    communication buffers, Inductor's generated code's buffers included. The allocator's peak: on
+    a GPU ``max_memory_allocated``; on CPU the running sum of the profiler's allocation events
+    (every tensor the step allocates and frees, through PyTorch's CPU allocator), which is what a
+    GPU's allocator would count (the process's resident set adds glibc arenas, gloo's own
+    buffers and thread stacks: 1.5-2x more on these runs, and not what the planner prices)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
+
+
 def spawn_ranks(world: int, worker, *args, timeout: float = 3000) -> dict:
     """Run ``worker(rank, world, port, *args, q)`` in ``world`` spawned processes; each puts
     ``(rank, result)`` on ``q``. Returns {rank: result}."""

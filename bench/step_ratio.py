@@ -8,7 +8,7 @@ loss of both sides is compared (same weights, same data), and so is the time to 
 first step (setup, where autopar traces, plans and compiles, plus the first step, where
 torchtitan's blocks compile). Also: one process, ``autopar.compile`` against torchtitan's
 ``apply_compile`` (each block compiled on its own); and each configuration's
-memory per rank for one autopar step (``_step_peak_mib``: the allocator's peak above what the
+memory per rank for one autopar step (``common.allocator_peak_mib``: the allocator's peak above what the
 process held before the step) against the planner's prediction of the same part (gradients,
 gathered parameters, activations).
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench import torchtitan_side as tt
-from bench.common import write
+from bench.common import allocator_peak_mib, write
 
 CONFIGS = [
     {"name": "fsdp4", "pins": {"dp": 4, "fsdp": 1, "pp": 1, "tp": 1, "ac": "none"}},
@@ -46,34 +46,6 @@ def _data():
     g = torch.Generator().manual_seed(0)
     return (torch.randint(0, tt.VOCAB, (BATCH, tt.SEQ), generator=g),
             torch.randint(0, tt.VOCAB, (BATCH, tt.SEQ), generator=g))
-
-
-def _step_peak_mib(fn) -> float:
-    """How much memory one step allocates at its peak beyond what the process holds before it
-    (parameters and optimizer state, no gradients): gradients, saved activations, workspaces and
-    communication buffers, Inductor's generated code's buffers included. The allocator's peak: on
-    a GPU ``max_memory_allocated``; on CPU the running sum of the profiler's allocation events
-    (every tensor the step allocates and frees, through PyTorch's CPU allocator), which is what a
-    GPU's allocator would count (the process's resident set adds glibc arenas, gloo's own
-    buffers and thread stacks: 1.5-2x more on these runs, and not what the planner prices)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2**20
 
 
 def _worker(rank, world, port, cfgs, steps, compile, q):
@@ -129,7 +101,7 @@ def _measure(rank, world, port, cfgs, steps, compile):
         dist.all_reduce(titan_loss)
         for p in list(pm.parameters()) + list(titan.parameters()):
             p.grad = None
-        mem = _step_peak_mib(fns["autopar"])
+        mem = allocator_peak_mib(fns["autopar"])
         r = {"name": cfg["name"], "plan": pm.plan.as_config_string(),
              "autopar_s": statistics.median(times["autopar"]), "torchtitan_s": statistics.median(times["torchtitan"]),
              "autopar_setup_s": first["autopar"][1], "torchtitan_setup_s": first["torchtitan"][1],

@@ -17,7 +17,7 @@ collective an explicit ``_c10d_functional`` op.
 from __future__ import annotations
 
 import contextlib
-
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,15 @@ class Layout:
 
     def dp_placements(self, i: int) -> list:
         return [Replicate() if d == "dp_replicate" else self.dp[i] for d in self.dp_dims]
+
+
+class Unread:
+    """A parameter not read yet: ``replay`` reads it (``read(consumer_node)``) at its first use,
+    so its data-parallel gather lands in the graph where the parameter is first needed, and
+    autograd, which runs later-created nodes first, reduces its gradient as soon as it is complete."""
+
+    def __init__(self, read):
+        self.read = read
 
 
 def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh) -> list | None:
@@ -136,6 +145,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
                                   stride=x.stride())
 
     def arg(a, node):
+        if isinstance(env[a], Unread):  # a parameter's first use: gather it here
+            env[a] = env[a].read(node)
         if rules is not None and a in rules.gathered and node in rules.gathered[a]:
             if a not in gathered:
                 with fx_traceback.annotate({"pass": "tp", "source": a.name, "why": "column input gathered"}):
@@ -151,7 +162,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
             env[n] = getattr(gm, n.target)
             continue
         if n.op == "output":
-            outs = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
+            outs = torch.fx.node.map_arg(n.args[0], lambda a: arg(a, n))
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
             with fx_traceback.annotate({"pass": "tp", "why": "output gathered"}):
                 return [o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local()
@@ -192,21 +203,24 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     outs_meta = output_values(sg)
     float_out = [i for i, v in enumerate(outs_meta) if v.is_floating_point()]
 
+    def read(i: int, x: torch.Tensor, consumer: torch.fx.Node) -> torch.Tensor:
+        """Parameter ``i`` as the step reads it: gathered over data parallelism (recorded where
+        its first consumer runs, so the gather sits next to its use) and wrapped for TP."""
+        if layout.dp_mesh is not None:
+            fsdp = any(isinstance(p, Shard) for p in layout.dp_placements(i))
+            use_layer = consumer.meta.get("custom", {}).get("layer")
+            with fx_traceback.annotate({"pass": "fsdp" if fsdp else "ddp", "source": sg.param_names[i],
+                                        "param_index": i, "use_layer": use_layer}):
+                x = read_param(x, layout.dp_mesh, layout.dp_placements(i), layout.tp_local_shape(i))
+        if layout.tp_mesh is not None:
+            x = DTensor.from_local(x, layout.tp_mesh, [layout.tp.get(i, Replicate())], run_check=False,
+                                   shape=torch.Size(layout.shapes[i]),
+                                   stride=torch.empty(layout.shapes[i], device="meta").stride())
+        return x
+
     def joint(primals, tangents):
-        params = primals[:P]
         with implicit_replication():
-            vals = []
-            for i, x in enumerate(params):
-                if layout.dp_mesh is not None:
-                    with fx_traceback.annotate({"pass": "fsdp" if any(
-                            isinstance(p, Shard) for p in layout.dp_placements(i)) else "ddp",
-                            "source": sg.param_names[i]}):
-                        x = read_param(x, layout.dp_mesh, layout.dp_placements(i), layout.tp_local_shape(i))
-                if layout.tp_mesh is not None:
-                    x = DTensor.from_local(x, layout.tp_mesh, [layout.tp.get(i, Replicate())], run_check=False,
-                                           shape=torch.Size(layout.shapes[i]),
-                                           stride=torch.empty(layout.shapes[i], device="meta").stride())
-                vals.append(x)
+            vals = [Unread(functools.partial(read, i, x)) for i, x in enumerate(primals[:P])]
             rest = list(primals[P:])
             if layout.tp_mesh is not None:  # a stage's received activations: whole on every TP rank
                 rest = [DTensor.from_local(x, layout.tp_mesh, [Replicate()], run_check=False)

@@ -1,0 +1,188 @@
+"""What the executed step holds at its peak: liveness over the graphs that run.
+
+The forward and backward graphs (``backend.CompiledStep``, after every pass, in the order they
+run: ``passes/overlap.py`` placed the collectives and Inductor keeps that order) are walked node
+by node on their fake-tensor metadata:
+
+- a node's output is a buffer from the node that makes it to its last reader; a view, a
+  collective's wait and an in-place op's result share their base's buffer (fake tensors share
+  the storage), so a buffer lives until the last reader of any alias;
+- a collective's inputs stay alive until its wait (the transport reads them until then);
+- the forward's outputs (the loss and what it saves for the backward) stay alive until the
+  backward ends (the runtime holds them for it), and the backward's outputs (the gradient
+  shards) until the step ends;
+- what the rank holds before the step (parameter shards, buffers, the batch) is not counted:
+  the result is the step's peak above that, what ``bench/memory.py`` measures with the allocator.
+
+With several microbatches the gradients of the earlier ones are held through the later ones.
+Inductor fuses element-wise chains, so a compiled graph allocates at most what the node-level
+walk finds (the eager graphs, ``compile=False``, allocate exactly that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_c10d = torch.ops._c10d_functional
+_WAIT = _c10d.wait_tensor.default
+_GATHERS = {_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default}
+_COLLECTIVES = _GATHERS | {_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default,
+                           _c10d.all_to_all_single.default}
+
+
+@dataclass
+class GraphLiveness:
+    peak_bytes: int  # the most this graph's buffers (and what it started with) hold at once
+    peak_node: str
+    peak_kinds: dict  # at the peak: bytes by kind (gathered parameters, held, other)
+    out_bytes: int  # what its outputs hold when it ends
+    curve: list = field(default_factory=list)  # (node name, live bytes) after each node
+
+
+@dataclass
+class Liveness:
+    """One rank's step: the peak above what the rank held before it, and where it is."""
+
+    peak_bytes: int
+    peak_at: str  # "forward:<node>" or "backward:<node>"
+    saved_bytes: int  # what the forward keeps for the backward
+    grad_bytes: int  # the gradient shards the backward returns
+    breakdown: dict  # bytes at the peak by kind
+    forward: GraphLiveness | None = None
+    backward: GraphLiveness | None = None
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in self.breakdown.items() if v)
+        return f"{self.peak_bytes / 2**20:.1f} MiB at {self.peak_at} ({parts})"
+
+
+def _storage(v):
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return v.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - a tensor without storage (sparse, nested)
+        return None
+
+
+def _nbytes(v) -> int:
+    try:
+        return int(v.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001
+        return int(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0
+
+
+def _vals(n: torch.fx.Node) -> list:
+    v = n.meta.get("val")
+    if isinstance(v, (list, tuple)):
+        return [x for x in v if isinstance(x, torch.Tensor)]
+    return [v] if isinstance(v, torch.Tensor) else []
+
+
+def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: bool = False) -> GraphLiveness:
+    """Walk ``gm`` in order. ``held``: bytes alive throughout (carried from an earlier graph);
+    ``count_inputs``: whether the placeholders' buffers are this walk's to count (alive to the end)."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    (out_node,) = [n for n in nodes if n.op == "output"]
+    outs = {a for a in out_node.all_input_nodes}
+    # buffer key -> (bytes, last position it is read, kind); node -> buffer keys it refers to
+    size: dict = {}
+    last: dict = {}
+    kind: dict = {}
+    refs: dict = {}
+    end = len(nodes)
+    for n in nodes:
+        keys = []
+        for v in _vals(n):
+            k = _storage(v)
+            if k is None:
+                continue
+            keys.append(k)
+            if k not in size:
+                size[k] = _nbytes(v)
+                kind[k] = "input" if n.op == "placeholder" else "other"
+                last[k] = order[n]
+        if n.target is _WAIT and n.args and isinstance(n.args[0], torch.fx.Node):
+            keys += refs.get(n.args[0], [])  # the wait's result is the collective's buffer
+        refs[n] = keys
+        if n.op == "call_function" and (n.target in _GATHERS or (n.target is _WAIT and n.args[0].target in _GATHERS)):
+            for k in keys:
+                kind[k] = "gathered parameters"
+    for n in nodes:
+        for a in n.all_input_nodes:
+            for k in refs.get(a, []):
+                last[k] = max(last[k], order[n])
+        if n.op == "call_function" and n.target in _COLLECTIVES:
+            wait = next((u for u in n.users if u.target is _WAIT), None)
+            if wait is not None:  # the transport reads the inputs until the wait
+                for a in n.all_input_nodes:
+                    for k in refs.get(a, []):
+                        last[k] = max(last[k], order[wait])
+    for a in outs:
+        for k in refs.get(a, []):
+            last[k] = end
+    first = {}
+    for n in nodes:
+        for k in refs[n]:
+            first.setdefault(k, order[n])
+    starts: dict = {}
+    frees: dict = {}
+    for k, b in size.items():
+        if kind[k] == "input" and not count_inputs:
+            continue
+        s = 0 if kind[k] == "input" else first[k]
+        starts.setdefault(s, []).append(k)
+        frees.setdefault(last[k] if last[k] < end else end + 1, []).append(k)
+    live, peak, peak_i, curve = held, held, -1, []
+    live_set: set = set()
+    peak_set: set = set()
+    for i, n in enumerate(nodes):
+        for k in starts.get(i, []):
+            live += size[k]
+            live_set.add(k)
+        if live > peak:
+            peak, peak_i, peak_set = live, i, set(live_set)
+        curve.append((n.name, live))
+        for k in frees.get(i, []):
+            live -= size[k]
+            live_set.discard(k)
+    kinds: dict = {"held": held}
+    for k in peak_set:
+        kinds[kind[k]] = kinds.get(kind[k], 0) + size[k]
+    out_keys = {k for a in outs for k in refs.get(a, []) if not (kind[k] == "input" and not count_inputs)}
+    return GraphLiveness(peak, nodes[peak_i].name if peak_i >= 0 else "", kinds,
+                         sum(size[k] for k in out_keys), curve)
+
+
+def step_liveness(compiled, microbatches: int = 1) -> Liveness:
+    """The step's peak from its compiled graphs (``backend.CompiledStep``): the forward, then the
+    backward with what the forward saved held throughout."""
+    fw = graph_liveness(compiled.fw_graph)
+    bw = graph_liveness(compiled.bw_graph, held=fw.out_bytes)
+    grads = bw.out_bytes
+    carried = grads if microbatches > 1 else 0  # earlier microbatches' gradients, held
+    f_peak, b_peak = fw.peak_bytes + carried, bw.peak_bytes + carried
+    if f_peak >= b_peak:
+        at, kinds = f"forward:{fw.peak_node}", dict(fw.peak_kinds)
+        kinds.pop("held", None)
+    else:
+        at, kinds = f"backward:{bw.peak_node}", dict(bw.peak_kinds)
+        kinds["saved for backward"] = kinds.pop("held", 0)
+    if carried:
+        kinds["accumulated gradients"] = carried
+    return Liveness(max(f_peak, b_peak), at, fw.out_bytes, grads, {k: v for k, v in kinds.items() if v},
+                    fw, bw)
+
+
+def step_peak(pm) -> Liveness:
+    """The liveness peak of a ``ParallelModule``'s training step (non-pipelined plans)."""
+    from autopar.errors import AutoparError
+
+    runner = getattr(pm, "_step_runner", None)
+    if runner is None:
+        raise AutoparError("the liveness peak is computed for plans without pipeline stages (pp=1)")
+    p = pm.plan
+    return step_liveness(runner.compiled, max(1, p.global_batch // (p.dp * p.mb)))

@@ -1,0 +1,212 @@
+"""One training step's peak memory and time: autopar against torch FSDP2 on the same model, in
+the same processes, in one run.
+
+The model is what an FSDP user would try: HF ``LlamaForCausalLM`` with hidden 1024, FFN 4096,
+16 heads, vocabulary 512, fp32 (64 MiB a layer), at two depths. The alternative is what they
+would otherwise write: ``fully_shard`` on every decoder block and on the root (FSDP2, eager,
+``reshard_after_forward=True``), with DTensor TP (``ColwiseParallel``/``RowwiseParallel`` on the
+projections) inside it for the TP x FSDP configuration. autopar gets the same model with the
+same plan pinned (FSDP resharding after forward, one microbatch per rank, as FSDP2 runs it).
+
+Per rank and side, after a warm-up step and with the gradients cleared: the step's peak above
+what the process held before it, two ways (``PLATFORM.md``): the allocator's (the profiler's
+allocation events, what a GPU's ``max_memory_allocated`` counts) and the resident set's
+(``VmHWM`` after ``clear_refs``, with glibc told to map large blocks so freed memory leaves);
+the step time (median of alternating steps); and the first step's loss on both sides (the same
+model). Also the planner's prediction of the same part of memory (``predicted_step_mib``) and
+the executed graphs' liveness peak (``memory.step_peak``).
+
+``python -m bench.memory [--layers 8,16] [--only fsdp]`` writes bench/results/memory.{json,md}.
+Targets (issue 22): autopar / FSDP2 <= 1.0 at both depths, growth with depth no steeper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench.common import allocator_peak_mib, spawn_ranks, write
+
+HIDDEN, FFN, HEADS, VOCAB = 1024, 4096, 16, 512
+BATCH, SEQ = 4, 256  # global: each data-parallel rank runs its share in one microbatch
+CONFIGS = {
+    "fsdp": (2, {"dp": 2, "fsdp": 1, "reshard": 1, "tp": 1, "pp": 1, "ac": "none"}),
+    "tp2_fsdp2": (4, {"tp": 2, "sp": 0, "dp": 2, "fsdp": 1, "reshard": 1, "pp": 1, "ac": "none"}),
+}
+
+
+def build(layers: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
+                         num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB,
+                         max_position_embeddings=SEQ, use_cache=False, attn_implementation="sdpa")
+    return tf.LlamaForCausalLM(cfg)
+
+
+def resident_peak_mib(fn) -> float:
+    """The resident set's peak during ``fn()`` above the resident set before it (Linux)."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark restarts from the current resident set
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    before = status("VmRSS:")
+    fn()
+    return (status("VmHWM:") - before) / 2**20
+
+
+def fsdp2_model(model: torch.nn.Module, world: int, tp: int) -> torch.nn.Module:
+    """What a user writes by hand: DTensor TP on the projections (if tp > 1), then fully_shard
+    per decoder block and on the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+                     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel()})
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _measure(rank: int, world: int, port: int, name: str, layers: int, steps: int, compile: bool, q) -> None:
+    try:
+        q.put((rank, _run(rank, world, port, name, layers, steps, compile)))
+    except BaseException as e:  # the parent reports it instead of waiting
+        import traceback
+
+        q.put((rank, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+
+
+def _run(rank, world, port, name, layers, steps, compile) -> dict:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    from autopar import memory
+    from autopar.capture import default_loss
+
+    _, pins = CONFIGS[name]
+    tp = pins.get("tp", 1)
+    dp = world // tp
+    base = build(layers)
+    g = torch.Generator().manual_seed(0)
+    ids, tgt = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    t0 = time.perf_counter()
+    pm = autopar.compile(copy.deepcopy(base), world, example_inputs=(ids,), plan={**pins, "mb": BATCH // dp},
+                         global_batch=BATCH, compile=compile)
+    setup = time.perf_counter() - t0
+    ref = fsdp2_model(copy.deepcopy(base), world, tp)
+    del base
+    sl = slice(pm._dp_rank * (BATCH // dp), (pm._dp_rank + 1) * (BATCH // dp))
+
+    def fsdp2_step():
+        loss = default_loss(ref(ids[sl]).logits, tgt[sl])
+        loss.backward()
+        return loss
+
+    sides = {"autopar": (lambda: pm.step(ids, target=tgt), pm), "fsdp2": (fsdp2_step, ref)}
+    out = {"name": name, "layers": layers, "plan": pm.plan.as_config_string(), "autopar_setup_s": setup}
+    losses, times = {}, {k: [] for k in sides}
+
+    def clear():
+        for _, mod in sides.values():
+            for p in mod.parameters():
+                p.grad = None
+        gc.collect()
+
+    for i in range(1 + steps):
+        for side, (fn, _) in sides.items():
+            clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = fn()
+            dist.barrier()
+            if i == 0:
+                losses[side] = float(loss.detach())
+            else:
+                times[side].append(time.perf_counter() - t0)
+    for side, (fn, _) in sides.items():
+        clear()
+        out[f"{side}_alloc_mib"] = allocator_peak_mib(fn)
+        clear()
+        out[f"{side}_rss_mib"] = resident_peak_mib(fn)
+        out[f"{side}_s"] = statistics.median(times[side])
+    # FSDP2's loss is this rank's share: the mean over data-parallel ranks is the global mean.
+    ref_loss = torch.tensor(losses["fsdp2"])
+    dist.all_reduce(ref_loss)
+    out["loss_diff"] = abs(losses["autopar"] - float(ref_loss) / world)
+    out["liveness_mib"] = memory.step_peak(pm).peak_bytes / 2**20
+    autopar.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", default="8,16")
+    ap.add_argument("--only", default="", help="configurations (default: all): " + ",".join(CONFIGS))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args(argv)
+    # Freed large blocks go back to the system, so the resident peak is the step's (PLATFORM.md).
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-inductor-"))
+    rows = []
+    for name in [n for n in CONFIGS if not args.only or n in args.only.split(",")]:
+        for layers in map(int, args.layers.split(",")):
+            world = CONFIGS[name][0]
+            res = spawn_ranks(world, _measure, name, layers, args.steps, not args.no_compile)
+            failed = [v for v in res.values() if isinstance(v, str)]
+            if failed:
+                print("\n".join(failed), file=sys.stderr)
+                return 1
+            per = [res[r] for r in range(world)]
+            row = dict(per[0])
+            for k in row:
+                if k.endswith(("_mib", "_s")):
+                    row[k] = max(x[k] for x in per)  # the worst rank
+            row["alloc_ratio"] = row["autopar_alloc_mib"] / row["fsdp2_alloc_mib"]
+            row["rss_ratio"] = row["autopar_rss_mib"] / row["fsdp2_rss_mib"]
+            row["time_ratio"] = row["autopar_s"] / row["fsdp2_s"]
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            rows.append(row)
+    summary = {"model": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, fp32",
+               "batch": f"{BATCH} x {SEQ} global, one microbatch per rank", "compiled": not args.no_compile,
+               "alternative": "FSDP2 fully_shard per block + root, eager (DTensor TP inside for tp2_fsdp2)",
+               "max alloc ratio": f"{max(r['alloc_ratio'] for r in rows):.3f} (target <= 1.0)"}
+    partial = bool(args.only) or args.layers != "8,16"
+    write("memory_partial" if partial else "memory", rows, summary,
+          ["name", "layers", "plan", "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_rss_mib",
+           "fsdp2_rss_mib", "rss_ratio", "liveness_mib", "autopar_s", "fsdp2_s", "time_ratio", "loss_diff",
+           "autopar_setup_s"],
+          "One step's peak memory: autopar vs FSDP2 (fully_shard per block), CPU gloo")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
