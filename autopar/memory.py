@@ -39,6 +39,7 @@ class GraphLiveness:
     peak_kinds: dict  # at the peak: bytes by kind (gathered parameters, held, other)
     out_bytes: int  # what its outputs hold when it ends
     curve: list = field(default_factory=list)  # (node name, live bytes) after each node
+    peak_buffers: list = field(default_factory=list)  # at the peak: (bytes, node that made it), largest first
 
 
 @dataclass
@@ -93,22 +94,28 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     last: dict = {}
     kind: dict = {}
     refs: dict = {}
+    canon: dict = {}  # a storage that is another's under a second fake tensor -> that one
     end = len(nodes)
     for n in nodes:
         keys = []
+        if n.target is _WAIT and n.args and isinstance(n.args[0], torch.fx.Node):
+            refs[n] = list(refs.get(n.args[0], []))  # the wait's result is the collective's buffer
+            for v, k in zip(_vals(n), refs[n]):
+                if _storage(v) is not None:
+                    canon[_storage(v)] = k  # and so are views of the wait's result
+            continue
         for v in _vals(n):
             k = _storage(v)
             if k is None:
                 continue
+            k = canon.get(k, k)
             keys.append(k)
             if k not in size:
                 size[k] = _nbytes(v)
                 kind[k] = "input" if n.op == "placeholder" else "other"
                 last[k] = order[n]
-        if n.target is _WAIT and n.args and isinstance(n.args[0], torch.fx.Node):
-            keys += refs.get(n.args[0], [])  # the wait's result is the collective's buffer
         refs[n] = keys
-        if n.op == "call_function" and (n.target in _GATHERS or (n.target is _WAIT and n.args[0].target in _GATHERS)):
+        if n.op == "call_function" and n.target in _GATHERS:
             for k in keys:
                 kind[k] = "gathered parameters"
     for n in nodes:
@@ -150,11 +157,16 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
             live -= size[k]
             live_set.discard(k)
     kinds: dict = {"held": held}
+    maker = {}
+    for n in nodes:
+        for k in refs[n]:
+            maker.setdefault(k, n.name)
     for k in peak_set:
         kinds[kind[k]] = kinds.get(kind[k], 0) + size[k]
+    buffers = sorted(((size[k], maker[k]) for k in peak_set), reverse=True)
     out_keys = {k for a in outs for k in refs.get(a, []) if not (kind[k] == "input" and not count_inputs)}
     return GraphLiveness(peak, nodes[peak_i].name if peak_i >= 0 else "", kinds,
-                         sum(size[k] for k in out_keys), curve)
+                         sum(size[k] for k in out_keys), curve, buffers)
 
 
 def step_liveness(compiled, microbatches: int = 1) -> Liveness:

@@ -11,8 +11,9 @@ the order chosen here is the order that runs, and the order ``memory.py`` prices
   bucket, a single all-gather of one flat buffer (Inductor's ``merge_all_gather_bucket``), whose
   wait sits just before the first use of any of its parameters. Then each bucket's all-gather is
   issued ``prefetch`` buckets ahead: just before the wait of the bucket ``prefetch`` places
-  earlier, so it runs while that layer computes. With ``prefetch = 1`` (FSDP2's default) at most
-  two layers' gathered weights are alive at once, plus whatever the plan keeps for the backward.
+  earlier, placed after that bucket's parameters are copied out of its flat buffer, so it runs
+  while that layer computes. With ``prefetch = 1`` (FSDP2's default) at most two layers'
+  gathered weights are alive at once, plus whatever the plan keeps for the backward.
 - **Gradient reductions** (reduce-scatters, and the all-reduces of DDP/HSDP, on the data-parallel
   groups only; TP's collectives are never touched): one bucket per layer, issued where the
   layer's last gradient is complete (autograd completes a layer's gradients together), waited
@@ -53,8 +54,8 @@ def schedule(gm: torch.fx.GraphModule, *, param_layer: list, grad_param: list, d
     one_wait_each(gm)
     g = gm.graph
     gathers = _buckets(g, "all_gather", lambda n: _gathered_param(n, dp_groups), param_layer, merge)
-    waits = [_merge_gather(g, b) for b in gathers]
-    _prefetch(g, waits, prefetch)
+    starts = [_merge_gather(g, b) for b in gathers]
+    _prefetch(g, starts, prefetch)
     out_param = _output_params(g, grad_param)
     for kind in ("reduce_scatter", "all_reduce"):
         reduces = _buckets(g, kind, lambda n: _reduced_param(n, dp_groups, out_param), param_layer, merge)
@@ -171,7 +172,8 @@ def _first_user(nodes: list, order: dict, exclude: set = frozenset()) -> torch.f
 
 # -- gathers ---------------------------------------------------------------------------------
 def _merge_gather(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """One all-gather for the bucket, waited just before its first use. Returns (gather, wait)."""
+    """One all-gather for the bucket, waited (and its parameters copied out of the flat buffer)
+    just before its first use. Returns (the gather, that first use)."""
     order = _order(g)
     waits = [_wait_of(n) for n in b.nodes]
     use = _first_user(waits, order)
@@ -179,14 +181,14 @@ def _merge_gather(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, torch.fx
         ag, w = b.nodes[0], waits[0]
         if use is not None and order[w] < order[use] - 1:
             use.prepend(w)
-        return ag, w
+        return ag, use
     from torch._inductor.fx_passes.bucketing import process_collective_bucket
 
     _hoist(g, [n.args[0] for n in b.nodes], use)
     _, size, group = b.nodes[0].args
     new, _ = process_collective_bucket(
         g, b.nodes, _gather_flat, lambda ins: ([i.meta["val"] for i in ins], group, size), insert_before=use)
-    return next(n for n in new if n.target is _GATHER), next(n for n in new if n.target is _WAIT)
+    return next(n for n in new if n.target is _GATHER), use
 
 
 def _gather_flat(ins: list, group: str, size: int) -> list:
@@ -201,7 +203,9 @@ def _gather_flat(ins: list, group: str, size: int) -> list:
 
 
 def _prefetch(g: torch.fx.Graph, buckets: list[tuple[torch.fx.Node, torch.fx.Node]], depth: int) -> None:
-    """Issue bucket k's all-gather just before the wait of bucket k - depth."""
+    """Issue bucket k's all-gather where bucket k - depth starts being used: after that bucket's
+    parameters are copied out of its flat buffer (freed then), before its layer computes. With
+    depth 1 a rank then holds one layer's parameters and the next one's flat buffer, as FSDP2."""
     if depth < 1:
         return
     for k in range(depth, len(buckets)):
@@ -213,8 +217,9 @@ def _prefetch(g: torch.fx.Graph, buckets: list[tuple[torch.fx.Node, torch.fx.Nod
 
 # -- gradient reductions ---------------------------------------------------------------------
 def _merge_reduce(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, list]:
-    """One reduction for the bucket, issued where its last input is ready. Returns (collective,
-    the nodes from its wait on, which ``_place_reduce_waits`` moves)."""
+    """One reduction for the bucket, issued where its last input is ready. Returns (the first
+    node of the bucket's reduction: its input's concatenation, or the collective itself; the
+    nodes from its wait on, which ``_place_reduce_waits`` moves)."""
     if len(b.nodes) == 1:
         return b.nodes[0], [_wait_of(b.nodes[0])]
     from torch._inductor.fx_passes import bucketing as bk
@@ -222,14 +227,15 @@ def _merge_reduce(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, list]:
     merge = bk.merge_reduce_scatter_bucket if b.kind == "reduce_scatter" else bk.merge_all_reduce_bucket
     new, _ = merge(g, b.nodes)
     i = next(i for i, n in enumerate(new) if n.target is _WAIT)
-    return new[i - 1] if new[i - 1].target in _REDUCE else next(n for n in new if n.target in _REDUCE), new[i:]
+    return new[0], new[i:]
 
 
 def _place_reduce_waits(g: torch.fx.Graph, buckets: list[tuple[torch.fx.Node, list]]) -> None:
-    """Wait for bucket k's reduction just before bucket k + 1's is issued (or its result is
-    used, or the graph ends): the reduction runs while the next layer's backward computes."""
+    """Wait for bucket k's reduction just before bucket k + 1's starts (its gradients copied into
+    one buffer), or where its result is used, or at the graph's end: the reduction runs while the
+    next layer's backward computes, and at most one bucket's flat gradients wait in flight."""
     (out,) = g.find_nodes(op="output")
-    for k, (coll, tail) in enumerate(buckets):
+    for k, (_, tail) in enumerate(buckets):
         order = _order(g)
         cands = [out] + ([buckets[k + 1][0]] if k + 1 < len(buckets) else [])
         use = _first_user(tail, order, exclude=set(tail))
