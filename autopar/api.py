@@ -296,7 +296,7 @@ def estimate_plan(
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
         schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
         fsdp_once=kv.get("once", ""), fsdp_unit=kv.get("unit", "layer"), dp_overlap=kv.get("dp_overlap", True),
-        cp=cp,
+        cp=cp, prefetch=kv.get("prefetch", 1),
     )
     validate_config(ctx, cfg)
     sm = StageModel(ctx, cfg)
@@ -341,7 +341,7 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         model_name=m.name, model_fingerprint=m.fingerprint, world_size=world, hardware=ctx.hw.name,
         precision=ctx.precision, global_batch=ctx.global_batch, seq_len=m.seq_len, tp=cfg.tp,
         pp=cfg.pp, dp=cfg.dp, dp_shard=cfg.dp_shard if cfg.fsdp else 1, sp=cfg.sp, fsdp=cfg.fsdp,
-        reshard_after_forward=cfg.reshard, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
+        reshard_after_forward=cfg.reshard, fsdp_prefetch=cfg.prefetch, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
         schedule=cfg.schedule if cfg.pp > 1 else "none", v=cfg.v, layers=tuple(layers),
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
         runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,

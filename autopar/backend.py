@@ -115,8 +115,19 @@ def _fake_mode(vals: list):
 
 
 def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
+    """``gm`` compiled (or, without Inductor, run as is) as a *boxed* callable: it takes one list
+    of inputs and empties it, so an input whose only reference was that list is freed at its
+    last use inside the graph (the backward frees each saved activation once it is consumed,
+    as autograd does, instead of holding every one to the end)."""
     if not inductor:
-        return gm
+        import copy
+
+        from torch.fx.graph import _BoxedCodeGen
+
+        boxed = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        boxed.graph.set_codegen(_BoxedCodeGen())
+        boxed.recompile()
+        return boxed
     vals = _example(gm)
     # The graphs are partitioned already (passes/ac.py decided what the backward recomputes):
     # AOTAutograd's forward-loss-backward rematerialisation must not look for backward regions
@@ -128,7 +139,26 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
             torch._inductor.config.patch(reorder_for_peak_memory=False):
         art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs",
                                                  fake_mode=_fake_mode(vals))
-    return art
+    return _boxed(art)
+
+
+def _boxed(art) -> Callable:
+    """The boxed function inside a ``standalone_compile`` artifact: AOTAutograd's compiled
+    function, which takes a list and steals its items (the artifact's own ``__call__`` and the
+    wrappers above it take ``*args``, which would keep every input alive to the end)."""
+    fn = getattr(art, "_compiled_fn", None)
+    while fn is not None:
+        if type(fn).__name__ == "SerializableCompiledFunction" or getattr(fn, "__name__", "") == "runtime_wrapper":
+            return fn
+        fn = getattr(fn, "__wrapped__", None)
+    log.info("backend: no boxed entry in the compiled artifact; inputs are held until it returns")
+
+    def call(args: list):
+        items = list(args)
+        args.clear()
+        return art(*items)
+
+    return call
 
 
 def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None,

@@ -1,49 +1,147 @@
-"""``autopar explain --graph``: the graphs the executor builds for a plan, with provenance.
+"""``autopar explain --graph``: the graphs the executor builds for a plan, with provenance, and
+the memory those graphs hold beside what the plan predicts.
 
 The plan is applied by the real executor (the same passes as ``autopar.compile``) on a fake
-process group of the plan's size, in this one process: the model is built with its layer count
-cut to two and storage left uninitialised (only shapes matter), and Inductor is skipped (the
-graphs shown are the ones it would compile). Every collective of the forward and backward graphs
-is listed with its kind, group size, bytes and the pass and node it came from.
+process group of the plan's size, in this one process: the model is built with a few layers
+(storage left uninitialised: only shapes matter) in the plan's precision, and Inductor is skipped
+(the graphs shown are the ones it would compile, in the order it keeps). Every collective of the
+forward and backward graphs is listed with its kind, group size, bytes and the pass and node it
+came from.
+
+Memory: ``memory.step_peak`` walks the executed graphs at the plan's real shapes (sequence,
+microbatch, mesh). A stack of identical layers holds memory affine in its layer counts per AC
+mode, so the walk runs on 2 layers, 3 layers and, for each other AC mode in the plan, 2 + 1 layers
+of that mode, and the plan's depth is read off that line (``tests/test_memory.py`` holds the
+extrapolation against a walk at full depth). What the rank holds outside the step (parameter
+shards, their gradients and AdamW's two moments, in the executed dtype) is added to give the
+executed total beside the cost model's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 from autopar.plan import Plan
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-def rewritten_graph(build, plan: Plan, *, layers: int = 2) -> str:
+
+def _cut(build, layers: int):
+    """The model with ``layers`` repeated layers, parameters allocated but not initialised."""
+    with torch.device("meta"):
+        model = build()
+    cfg = getattr(model, "config", None)
+    if dataclasses.is_dataclass(cfg) and hasattr(cfg, "n_layers"):
+        with torch.device("meta"):
+            model = type(model)(dataclasses.replace(cfg, n_layers=layers))
+    elif cfg is not None and hasattr(cfg, "num_hidden_layers"):
+        cfg = type(cfg).from_dict({**cfg.to_dict(), "num_hidden_layers": layers})
+        with torch.device("meta"):
+            model = type(model)(cfg)
+    return model.to_empty(device="cpu")
+
+
+def _compile(build, plan: Plan, layers: int, ac: list[str] | None = None, *, dtype=None, batch: int | None = None):
+    """``autopar.compile`` of the cut model under ``plan``'s shape (eager graphs), on the fake
+    process group that is initialised. ``ac``: each layer's AC mode (default: the plan's first)."""
+    import autopar
+
+    model = _cut(build, layers)
+    if dtype is not None:
+        model = model.to(dtype)
+    ids = torch.zeros((batch or plan.dp * plan.mb, plan.seq_len), dtype=torch.long)
+    pins = {"tp": plan.tp, "dp": plan.dp, "pp": 1, "sp": int(plan.sp), "fsdp": int(plan.fsdp), "mb": plan.mb,
+            "dp_shard": plan.dp_shard, "ac": plan.layers[0].ac, "reshard": int(plan.reshard_after_forward)}
+    p = autopar.plan(model, plan.world_size, example_inputs=(ids,), pin=pins, hardware="h100",
+                     global_batch=ids.shape[0], precision=plan.precision)
+    if ac is not None:
+        p = dataclasses.replace(p, layers=tuple(dataclasses.replace(l, ac=a) for l, a in zip(p.layers, ac)))
+    return autopar.compile(model, plan.world_size, example_inputs=(ids,), plan=p, compile=False, hardware="h100")
+
+
+def _fake_group(world: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import autopar
+    from autopar.errors import AutoparError
+
+    if dist.is_initialized():
+        raise AutoparError("explain --graph runs on its own fake process group: call it outside a distributed job")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def rewritten_graph(build, plan: Plan, *, layers: int = 2) -> str:
     from autopar import explain
     from autopar.errors import AutoparError
 
     if plan.pp > 1:
         raise AutoparError("explain --graph shows non-pipelined plans; pin pp=1 to see one stage's graphs")
-    if dist.is_initialized():
-        raise AutoparError("explain --graph runs on its own fake process group: call it outside a distributed job")
-    with torch.device("meta"):
-        model = build()
-    cfg = getattr(model, "config", None)
-    if dataclasses.is_dataclass(cfg) and hasattr(cfg, "n_layers") and cfg.n_layers > layers:
-        with torch.device("meta"):
-            model = type(model)(dataclasses.replace(cfg, n_layers=layers))
-    model = model.to_empty(device="cpu")
-    dp = plan.dp
-    ids = torch.zeros((dp * plan.mb, plan.seq_len), dtype=torch.long)
-    pins = {"tp": plan.tp, "dp": plan.dp, "pp": 1, "sp": int(plan.sp), "fsdp": int(plan.fsdp), "mb": plan.mb,
-            "dp_shard": plan.dp_shard, "ac": plan.layers[0].ac}
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    _fake_group(plan.world_size)
     try:
-        pm = autopar.compile(model, plan.world_size, example_inputs=(ids,), plan=pins, compile=False,
-                             hardware="h100")
-        return (f"graphs of {plan.model_name} with {layers} layers under {pm.plan.as_config_string()} "
+        pm = _compile(build, plan, layers)
+        text = (f"graphs of {plan.model_name} with {layers} layers under {pm.plan.as_config_string()} "
                 f"on a fake process group of {plan.world_size}\n" + explain.render_executed(pm.info))
+        del pm
+        return text + render_memory(executed_memory(build, plan), plan)
     finally:
         dist.destroy_process_group()
+
+
+def executed_memory(build, plan: Plan) -> dict:
+    """The executed step's memory for ``plan`` at its real depth (bytes), from walks of small
+    stacks (see the module docstring), on the fake process group that is initialised."""
+    import gc
+
+    from autopar import memory
+
+    dtype = DTYPES.get(plan.precision)
+    modes = Counter(l.ac for l in plan.layers)
+    base = modes.most_common(1)[0][0]
+    M = max(1, plan.global_batch // (plan.dp * plan.mb))
+
+    def walk(ac: list[str]) -> tuple[memory.Liveness, int]:
+        pm = _compile(build, plan, len(ac), ac, dtype=dtype, batch=plan.dp * plan.mb)
+        live = memory.step_liveness(pm._step_runner.compiled, M)
+        held = sum(int(getattr(q, "_local_tensor", q).nbytes) for q in pm.parameters())
+        del pm
+        gc.collect()
+        return live, held
+
+    two, held2 = walk([base] * 2)
+    three, held3 = walk([base] * 3)
+    per = {base: three.peak_bytes - two.peak_bytes}
+    held_per = held3 - held2
+    for m in modes:
+        if m != base:  # one layer of mode m first (the planner orders full, selective, none)
+            other, _ = walk([m] + [base] * 2)
+            per[m] = other.peak_bytes - two.peak_bytes
+    n = len(plan.layers)
+    peak = two.peak_bytes + sum(modes[m] * per[m] for m in modes) - 2 * per[base]
+    params = held2 + (n - 2) * held_per  # parameter shards in the executed dtype
+    states = params * 4  # + gradient shards + AdamW's two moments, all in the parameters' dtype
+    return {"step_peak": peak, "per_layer": per, "states": states, "params": params, "layers": n,
+            "peak_at": two.peak_at, "breakdown_2_layers": two.breakdown, "microbatches": M,
+            "dtype": str(dtype).replace("torch.", "")}
+
+
+def render_memory(ex: dict, plan: Plan) -> str:
+    """The executed step's memory beside the plan's prediction of the same parts."""
+    pred = plan.predicted.get("memory_breakdown_gb", {})
+    gib = 2**30
+    step_pred = (pred.get("unsharded_params", 0) + pred.get("activations", 0)) * gib
+    lines = [
+        f"memory per GPU, executed graphs ({ex['dtype']}, {ex['layers']} layers, {ex['microbatches']} microbatches; "
+        f"liveness of 2- and 3-layer stacks extrapolated):",
+        f"  step peak (gathered parameters, activations, gradients in flight): {ex['step_peak'] / gib:.2f} GiB "
+        f"at {ex['peak_at'].split(':')[0]}; predicted {step_pred / gib:.2f} GiB "
+        f"({(ex['step_peak'] / step_pred - 1) * 100 if step_pred else 0:+.1f}%)",
+        "  per layer: " + ", ".join(f"{m} {v / gib:.3f} GiB" for m, v in ex["per_layer"].items()),
+        f"  held outside the step (parameter shards, gradients, AdamW moments): {ex['states'] / gib:.2f} GiB; "
+        f"predicted {pred.get('parameters+grads+optimizer', 0):.2f} GiB",
+        f"  total {(ex['step_peak'] + ex['states']) / gib + pred.get('reserve', 0):.2f} GiB with the "
+        f"{pred.get('reserve', 0):.1f} GiB reserve; predicted {plan.predicted.get('memory_gb_per_gpu', 0):.2f} GiB",
+    ]
+    return "\n".join(lines) + "\n"

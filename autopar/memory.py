@@ -8,9 +8,10 @@ by node on their fake-tensor metadata:
   collective's wait and an in-place op's result share their base's buffer (fake tensors share
   the storage), so a buffer lives until the last reader of any alias;
 - a collective's inputs stay alive until its wait (the transport reads them until then);
-- the forward's outputs (the loss and what it saves for the backward) stay alive until the
-  backward ends (the runtime holds them for it), and the backward's outputs (the gradient
-  shards) until the step ends;
+- the forward's outputs (the loss and what it saves for the backward) stay alive into the
+  backward, which frees each at its last use there (the runtime passes them to the boxed
+  backward graph, which owns them); the backward's outputs (the gradient shards) stay alive
+  until the step ends;
 - what the rank holds before the step (parameter shards, buffers, the batch) is not counted:
   the result is the step's peak above that, what ``bench/memory.py`` measures with the allocator.
 
@@ -171,22 +172,19 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
 
 def step_liveness(compiled, microbatches: int = 1) -> Liveness:
     """The step's peak from its compiled graphs (``backend.CompiledStep``): the forward, then the
-    backward with what the forward saved held throughout."""
+    backward, which starts with what the forward saved and frees each saved value at its last
+    use (the runtime hands the saved values to the boxed graph, which owns them)."""
     fw = graph_liveness(compiled.fw_graph)
-    bw = graph_liveness(compiled.bw_graph, held=fw.out_bytes)
+    bw = graph_liveness(compiled.bw_graph, count_inputs=True)
     grads = bw.out_bytes
     carried = grads if microbatches > 1 else 0  # earlier microbatches' gradients, held
     f_peak, b_peak = fw.peak_bytes + carried, bw.peak_bytes + carried
-    if f_peak >= b_peak:
-        at, kinds = f"forward:{fw.peak_node}", dict(fw.peak_kinds)
-        kinds.pop("held", None)
-    else:
-        at, kinds = f"backward:{bw.peak_node}", dict(bw.peak_kinds)
-        kinds["saved for backward"] = kinds.pop("held", 0)
+    g = fw if f_peak >= b_peak else bw
+    kinds = {("saved for backward" if k == "input" else k): v for k, v in g.peak_kinds.items() if k != "held"}
     if carried:
         kinds["accumulated gradients"] = carried
-    return Liveness(max(f_peak, b_peak), at, fw.out_bytes, grads, {k: v for k, v in kinds.items() if v},
-                    fw, bw)
+    return Liveness(max(f_peak, b_peak), f"{'forward' if g is fw else 'backward'}:{g.peak_node}", fw.out_bytes,
+                    grads, {k: v for k, v in kinds.items() if v}, fw, bw)
 
 
 def step_peak(pm) -> Liveness:

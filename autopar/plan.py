@@ -127,6 +127,8 @@ class Plan:
              f"mb={self.mb},ac={self.ac_summary() if ':' not in self.ac_summary() else 'mixed'}")
         if self.pp > 1:
             s += f",schedule={self.schedule},v={self.v}"
+        if self.fsdp and self.fsdp_prefetch != 1:
+            s += f",prefetch={self.fsdp_prefetch}"
         return s
 
     # -- serialisation --------------------------------------------------------------------

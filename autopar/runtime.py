@@ -252,7 +252,7 @@ class _RunGraphs(torch.autograd.Function):
     def forward(ctx, runner: "StepRunner", *args):
         local = [a._local_tensor if hasattr(a, "_local_tensor") else a for a in args]
         t0 = time.perf_counter()
-        outs = runner.compiled.fw(*local)
+        outs = runner.compiled.fw(local)
         runner.busy_s += time.perf_counter() - t0
         n = runner.compiled.n_outputs
         ctx.runner = runner
@@ -269,15 +269,18 @@ class _RunGraphs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         runner = ctx.runner
-        saved, ctx.saved = ctx.saved, None
         tangents = [g if g is not None else torch.zeros(shape, dtype=dtype)
                     for g, (shape, dtype) in zip(grads, ctx.out_meta) if dtype.is_floating_point]
         c = runner.compiled
+        # The only references to the saved values are in ``args``, which the boxed graph empties:
+        # each is freed at its last use in the backward.
+        args = _as_expected(ctx.saved + tangents, c.bw_strides)
+        ctx.saved = None
         result: list = [None] * (1 + runner.n_args)
         t0 = time.perf_counter()
         if c.bw_weight is not None:
             # Zero-bubble: input gradients now; the weight gradients when the schedule says (W).
-            out = list(c.bw_input(*_as_expected(saved + tangents, c.bw_strides)))
+            out = list(c.bw_input(args))
             runner.busy_s += time.perf_counter() - t0
             k = c.n_input_grads
             out[:k] = _unshared(out[:k])
@@ -286,7 +289,7 @@ class _RunGraphs(torch.autograd.Function):
                 result[1 + i] = g
             runner.pending.append(_WeightGrads(runner, ctx.params, ctx.metas, out[k:]))
             return tuple(result)
-        out = c.bw(*_as_expected(saved + tangents, c.bw_strides))
+        out = c.bw(args)
         runner.busy_s += time.perf_counter() - t0
         out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
         for i, g in zip(runner.grad_index, out):
@@ -331,10 +334,11 @@ class _WeightGrads:
     def __call__(self) -> None:
         c = self.runner.compiled
         t0 = time.perf_counter()
-        out = c.bw_weight(*_as_expected(self.carried, c.bw_weight_strides))
+        args = _as_expected(self.carried, c.bw_weight_strides)
+        self.carried = None
+        out = c.bw_weight(args)
         self.runner.busy_s += time.perf_counter() - t0
         out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
-        self.carried = None
         for i, g in zip(self.runner.grad_index, out):
             p = self.params[i]
             if p.grad is None:

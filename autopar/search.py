@@ -57,7 +57,7 @@ from autopar.errors import AutoparError, InfeasibleError
 log = logging.getLogger(__name__)
 
 PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
-            "dp_overlap", "cp"}
+            "dp_overlap", "cp", "prefetch"}
 # How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
 ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
                  "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
@@ -132,7 +132,7 @@ def parse_pins(text: str | dict | None) -> dict:
             except ValueError:
                 raise AutoparError(f"pin {k}={v!r} must be an integer") from None
             flag = k in ("sp", "fsdp", "reshard", "dp_overlap")
-            if iv < (0 if flag else 1) or (flag and iv > 1):
+            if iv < (0 if flag or k == "prefetch" else 1) or (flag and iv > 1):
                 raise AutoparError(f"pin {k}={iv} is out of range" + (" (0 or 1)" if flag else ""))
             out[k] = bool(iv) if flag else iv
     return out
@@ -226,7 +226,8 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                                 continue
                             if "reshard" in pins and fsdp and reshard != pins["reshard"]:
                                 continue
-                            out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v))
+                            out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v,
+                                              prefetch=pins.get("prefetch", 1)))
     return out
 
 

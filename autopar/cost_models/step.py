@@ -28,7 +28,7 @@ runs with TP add the DTensor dispatch time the profile measured (``tp_eager_over
 Memory of rank ``r`` (bytes)::
 
     states  = P_r * (4 master + 4 grad + 8 AdamW) / dp_shard          (mixed precision)
-    working = unsharded bf16 params in flight (2 layers with reshard, all of the stage without)
+    working = unsharded bf16 params in flight (1 + prefetch layers with reshard, all of the stage without)
     acts    = mb * sum_layers saved(ac) * inflight_r  +  one layer's backward working set
     inflight_r = 1 (no PP), M (GPipe), min(M, pp - r) (1F1B),
                  min(M v, (v-1) pp + 2 (pp-1-r) + 1) / v (interleaved, per layer)
@@ -94,6 +94,9 @@ class Config:
     # over dp_shard x cp and gradients are reduced over dp x cp. Priced for published runs; the
     # search never sets it (autopar's executor does not split sequences).
     cp: int = 1
+    # FSDP buckets (layers) gathered ahead of their use: with reshard, (1 + prefetch) layers'
+    # gathered parameters are alive at once (passes/overlap.py; FSDP2's default is 1).
+    prefetch: int = 1
 
     @property
     def world(self) -> int:
@@ -111,7 +114,7 @@ class Config:
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
                 int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit,
-                int(self.dp_overlap), self.cp)
+                int(self.dp_overlap), self.cp, self.prefetch)
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -498,7 +501,7 @@ class StageModel:
         working = 0.0
         if cfg.shard > 1:
             keep = cfg.reshard and cfg.fsdp_once != "gather"
-            working = (2 * c.working_param) if keep else n * c.working_param
+            working = ((1 + cfg.prefetch) * c.working_param) if keep else n * c.working_param
             if cfg.fsdp_once:  # unsharded fp32 gradients accumulated across the microbatches
                 working += n * c.working_param / self.ctx.act_bytes * 4
         post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
