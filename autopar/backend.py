@@ -145,20 +145,33 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
 def _boxed(art) -> Callable:
     """The boxed function inside a ``standalone_compile`` artifact: AOTAutograd's compiled
     function, which takes a list and steals its items (the artifact's own ``__call__`` and the
-    wrappers above it take ``*args``, which would keep every input alive to the end)."""
-    fn = getattr(art, "_compiled_fn", None)
+    wrappers above it take ``*args``, which would keep every input alive to the end). The
+    constants AOTAutograd lifted out of the graph (its ``params_buffers_flat``) go first."""
+    import inspect
+
+    fn, lifted = getattr(art, "_compiled_fn", None), None
     while fn is not None:
+        if inspect.isfunction(fn) and lifted is None:
+            lifted = inspect.getclosurevars(fn).nonlocals.get("params_buffers_flat")
         if type(fn).__name__ == "SerializableCompiledFunction" or getattr(fn, "__name__", "") == "runtime_wrapper":
-            return fn
+            if lifted is None:
+                break  # not the layout this was written against: use the artifact as it is
+            inner, prefix = fn, list(lifted)
+
+            def call(args: list):
+                args[:0] = prefix
+                return inner(args)
+
+            return call
         fn = getattr(fn, "__wrapped__", None)
     log.info("backend: no boxed entry in the compiled artifact; inputs are held until it returns")
 
-    def call(args: list):
+    def unboxed(args: list):
         items = list(args)
         args.clear()
         return art(*items)
 
-    return call
+    return unboxed
 
 
 def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None,

@@ -172,7 +172,9 @@ def _run(args) -> int:
             print(explain.render_checkpoint_change(args.checkpoint, old, p), end="")
         if args.output:
             print(f"plan saved to {args.output}")
-    return 0
+    # A priced configuration that does not fit is an answer, not an error: said in words above,
+    # and exit status 1 so that scripts notice.
+    return 1 if args.cmd == "estimate" and not p.predicted.get("fits", True) else 0
 
 
 def _checkpoint_plan(path: str):

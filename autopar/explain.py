@@ -93,6 +93,8 @@ def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
         con.print(f"pinned: {', '.join(f'{k}={v}' for k, v in p.pins.items())}")
     con.print(f"predicted: {pr['step_time_s']:.3f} s/step, {pr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
               f"MFU {pr['mfu'] * 100:.1f}%, {pr['memory_gb_per_gpu']:.1f} GiB/GPU of {pr['memory_limit_gb']:.1f}")
+    for line in memory_warnings(pr):
+        con.print(line)
 
     t = Table(title="layers", show_lines=False)
     for c in ("layers", "count", "pp rank", "chunk", "AC"):
@@ -181,6 +183,27 @@ def render_tuning(rows: list[dict], width: int = 110) -> str:
                   "yes" if r["fits"] else "no", "yes" if r["reused"] else "")
     con.print(t)
     return buf.getvalue()
+
+
+# How far published runs' peak memory (the allocator's reserved peak: fragmentation included) sat
+# above the cost model's prediction for the same runs (bench/reference_runs, torchtitan's Llama 3
+# runs on H100): the 75th percentile of published / predicted - 1 over the runs that publish it.
+MEMORY_UNDERPREDICTION = 0.13
+
+
+def memory_warnings(pr: dict) -> list[str]:
+    """Lines for a plan over the memory limit, or within the memory model's error of it."""
+    mem, limit = pr.get("memory_gb_per_gpu", 0.0), pr.get("memory_limit_gb", 0.0)
+    if not limit:
+        return []
+    if not pr.get("fits", mem <= limit):
+        return [f"DOES NOT FIT: {mem:.1f} GiB/GPU predicted, {limit:.1f} GiB available "
+                f"({mem - limit:.1f} GiB over); add GPUs, activation checkpointing (ac=full), TP or FSDP"]
+    if mem * (1 + MEMORY_UNDERPREDICTION) > limit:
+        return [f"warning: {limit - mem:.1f} GiB below the limit; published runs used up to "
+                f"{MEMORY_UNDERPREDICTION:.0%} more than predicted (75th percentile, bench/reference_runs), "
+                "so this plan may not fit; plan with a lower --memory-limit-gb to leave room"]
+    return []
 
 
 def render_executed(info: dict, *, width: int = 110) -> str:
