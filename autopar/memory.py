@@ -41,6 +41,7 @@ class GraphLiveness:
     out_bytes: int  # what its outputs hold when it ends
     curve: list = field(default_factory=list)  # (node name, live bytes) after each node
     peak_buffers: list = field(default_factory=list)  # at the peak: (bytes, node that made it), largest first
+    out_kinds: dict = field(default_factory=dict)  # what its outputs hold, by kind
 
 
 @dataclass
@@ -83,6 +84,18 @@ def _vals(n: torch.fx.Node) -> list:
     return [v] if isinstance(v, torch.Tensor) else []
 
 
+_COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_with_sizes", "split", "getitem",
+             "t", "permute", "transpose", "expand", "slice", "alias", "_to_copy", "convert_element_type"}
+
+
+def _copies_gathered(n: torch.fx.Node, refs: dict, kind: dict) -> bool:
+    """A parameter taken out of a gathered buffer (a copy or view of it): gathered too."""
+    from autopar.passes import op_short
+
+    ins = [k for a in n.all_input_nodes for k in refs.get(a, [])]
+    return bool(ins) and op_short(n.target) in _COPY_OPS and all(kind.get(k) == "gathered parameters" for k in ins)
+
+
 def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: bool = False) -> GraphLiveness:
     """Walk ``gm`` in order. ``held``: bytes alive throughout (carried from an earlier graph);
     ``count_inputs``: whether the placeholders' buffers are this walk's to count (alive to the end)."""
@@ -116,7 +129,7 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
                 kind[k] = "input" if n.op == "placeholder" else "other"
                 last[k] = order[n]
         refs[n] = keys
-        if n.op == "call_function" and n.target in _GATHERS:
+        if n.op == "call_function" and (n.target in _GATHERS or _copies_gathered(n, refs, kind)):
             for k in keys:
                 kind[k] = "gathered parameters"
     for n in nodes:
@@ -166,8 +179,11 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
         kinds[kind[k]] = kinds.get(kind[k], 0) + size[k]
     buffers = sorted(((size[k], maker[k]) for k in peak_set), reverse=True)
     out_keys = {k for a in outs for k in refs.get(a, []) if not (kind[k] == "input" and not count_inputs)}
+    out_kinds: dict = {}
+    for k in out_keys:
+        out_kinds[kind[k]] = out_kinds.get(kind[k], 0) + size[k]
     return GraphLiveness(peak, nodes[peak_i].name if peak_i >= 0 else "", kinds,
-                         sum(size[k] for k in out_keys), curve, buffers)
+                         sum(size[k] for k in out_keys), curve, buffers, out_kinds)
 
 
 def step_liveness(compiled, microbatches: int = 1) -> Liveness:

@@ -1,0 +1,152 @@
+"""FSDP memory: each layer's parameters gathered where they are used (prefetched one layer ahead),
+gradients reduced as each layer's are complete, and the executed graphs' liveness.
+
+The graphs are the executor's own (``autopar.compile`` on a fake process group, eager graphs:
+the order Inductor keeps); bench/memory.py measures the same against FSDP2 in real processes."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar import memory
+from autopar.passes import collectives, op_short
+from tests import zoo
+
+WORLD = 4
+FSDP = {"dp": 4, "fsdp": 1, "reshard": 1, "pp": 1, "tp": 1, "ac": "none"}
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield
+    dist.destroy_process_group()
+
+
+_compiled: dict = {}
+
+
+def _compile(kind: str, plan: dict):
+    """Compiled once per module (the fake group outlives the tests that share it)."""
+    key = (kind, tuple(sorted(plan.items())))
+    if key not in _compiled:
+        _compiled[key] = _build(kind, plan)
+    return _compiled[key]
+
+
+def _build(kind: str, plan: dict):
+    torch.manual_seed(0)
+    model = zoo.build(kind)
+    ids = torch.zeros((8, 32), dtype=torch.long)
+    return autopar.compile(model, WORLD, example_inputs=(ids,), plan={**plan, "mb": 2}, compile=False)
+
+
+def _layer(n: torch.fx.Node) -> int | None:
+    """The layer of a gather's parameter (its annotation), or of a compute node."""
+    custom = n.meta.get("custom", {})
+    name = custom.get("source", "")
+    if custom.get("pass") == "fsdp":
+        return int(name.split(".")[1]) if name.startswith("layers.") else None
+    return custom.get("layer")
+
+
+def _positions(gm):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gathers = [n for n in collectives(gm) if op_short(n.target).startswith("all_gather")]
+    mms = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and op_short(n.target) == "mm" and n.meta.get("custom", {}).get("layer") is not None:
+            mms.setdefault(n.meta["custom"]["layer"], []).append(order[n])
+    return order, gathers, mms
+
+
+def test_forward_gathers_each_layer_once_just_ahead_of_it(fake_group):
+    pm = _compile("llama-tiny-4layers", FSDP)
+    order, gathers, mms = _positions(pm._step_runner.compiled.fw_graph)
+    layered = [(order[g], _layer(g)) for g in gathers if _layer(g) is not None]
+    assert [k for _, k in layered] == [0, 1, 2, 3], "one bucket per layer, in layer order"
+    for pos, k in layered[1:]:
+        # Issued while layer k-1 computes (prefetch 1): after layer k-2 is done, before k-1's matmuls.
+        assert pos < min(mms[k - 1]), f"layer {k}'s gather is not prefetched ahead of layer {k - 1}"
+        if k >= 2:
+            assert pos > max(mms[k - 2]), f"layer {k}'s gather is issued before layer {k - 2} has run"
+    # Not the whole model at the top: the last layer's gather comes after the first layer's compute.
+    assert layered[-1][0] > max(mms[0])
+
+
+def test_backward_regathers_per_layer_and_reduces_as_each_layer_completes(fake_group):
+    pm = _compile("llama-tiny-4layers", FSDP)
+    bw = pm._step_runner.compiled.bw_graph
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    colls = collectives(bw)
+    gathers = [n for n in colls if op_short(n.target).startswith("all_gather") and _layer(n) is not None]
+    assert sorted(_layer(n) for n in gathers) == [0, 1, 2, 3], "reshard after forward: each layer gathered again"
+    reduces = [order[n] for n in colls if op_short(n.target) == "reduce_scatter_tensor"]
+    # One reduce-scatter per layer plus the parameters outside the layers (embedding, norm + head),
+    # spread through the backward rather than bunched at its end.
+    assert 4 <= len(reduces) <= 6
+    n_nodes = len(order)
+    assert min(reduces) < n_nodes // 2, "the first layer's gradients wait for the whole backward"
+
+
+def test_prefetch_zero_gathers_at_use(fake_group):
+    pm = _compile("llama-tiny-4layers", {**FSDP, "prefetch": 0})
+    assert pm.plan.fsdp_prefetch == 0
+    order, gathers, mms = _positions(pm._step_runner.compiled.fw_graph)
+    for g in gathers:
+        k = _layer(g)
+        if k:
+            assert order[g] > max(mms[k - 1]), f"layer {k} gathered before layer {k - 1} finished"
+
+
+def test_liveness_holds_at_most_two_layers_gathered(fake_group):
+    pm = _compile("llama-tiny-4layers", FSDP)
+    layer = sum(4 * math.prod(p.shape) for n, p in pm.named_parameters() if n.startswith("layers.0."))
+    outside = sum(4 * math.prod(p.shape) for n, p in pm.named_parameters() if not n.startswith("layers."))
+    live = memory.step_peak(pm)
+    for g in (live.forward, live.backward):
+        assert g.peak_kinds.get("gathered parameters", 0) <= 2 * layer + outside
+    # Resharded after forward: the forward keeps no gathered weight for the backward.
+    assert live.forward.out_kinds.get("gathered parameters", 0) == 0
+    kept = memory.step_peak(_compile("llama-tiny-4layers", {**FSDP, "reshard": 0}))
+    assert kept.forward.out_kinds["gathered parameters"] >= 4 * layer  # without reshard it keeps them all
+
+
+def test_liveness_counts_views_and_waits_once(fake_group):
+    pm = _compile("llama-tiny-4layers", FSDP)
+    fw = pm._step_runner.compiled.fw_graph
+    walked = memory.graph_liveness(fw)
+    # Every buffer the forward makes, each counted once however many views and waits read it.
+    by_storage = {}
+    for n in fw.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "call_function" and isinstance(v, torch.Tensor) and op_short(n.target) not in ("wait_tensor",):
+            by_storage.setdefault(v.untyped_storage()._cdata, v.untyped_storage().nbytes())
+    assert walked.peak_bytes <= sum(by_storage.values())
+    assert walked.peak_bytes > 0
+
+
+def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
+    """explain --graph reads the plan's depth off 2- and 3-layer walks: at 4 layers that line
+    must give what the walk of the 4-layer graphs gives."""
+    from autopar import inspect_graph, models
+
+    import dataclasses
+
+    cfg = dataclasses.replace(models.PRESETS["llama-tiny"], n_layers=4)
+
+    def build():
+        return models.Llama(cfg)
+
+    ids = torch.zeros((8, 64), dtype=torch.long)
+    plan = autopar.plan(build(), WORLD, example_inputs=(ids,), pin={**FSDP, "mb": 2}, hardware="h100",
+                        global_batch=8, precision="fp32")
+    ex = inspect_graph.executed_memory(build, plan)
+    pm = inspect_graph._compile(build, plan, 4, dtype=torch.float32, batch=8)
+    direct = memory.step_peak(pm).peak_bytes
+    assert ex["step_peak"] == pytest.approx(direct, rel=0.02)
