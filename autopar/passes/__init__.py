@@ -4,16 +4,19 @@ The order (``api.compile`` runs it):
 
 1. ``distribute`` (``passes/distribute.py``): replays the single-device forward graph on
    DTensors placed as the plan says (TP/SP per operator from ``passes/tp.py``, FSDP/HSDP/DDP
-   per parameter from ``passes/fsdp.py``) under ``make_fx``, with the gradients taken by
-   autograd: the result is one *joint* graph of forward and backward on local tensors with
-   every collective explicit (``_c10d_functional``).
+   per parameter from ``passes/fsdp.py``, each parameter read where it is first used) under
+   ``make_fx``, with the gradients taken by autograd: the result is one *joint* graph of forward
+   and backward on local tensors with every collective explicit (``_c10d_functional``).
 2. ``ac`` (``passes/ac.py``): tags forward nodes per layer for recomputation (full/selective)
    and, for ZeRO-3, the parameter all-gathers, in the joint graph.
 3. ``partition`` (``backend.py``): splits the joint graph into forward and backward graphs
    (min-cut partitioner, which honours the tags).
-4. ``overlap`` (``passes/overlap.py``): buckets collectives in each graph.
-5. Inductor compiles each graph whole (``backend.py``); ``compile=False`` runs the very same
-   graphs eagerly.
+4. ``overlap`` (``passes/overlap.py``): on each of the two graphs, the data-parallel collectives
+   in per-layer buckets, gathered just before use and prefetched one layer ahead, gradients
+   reduced as each layer's are complete.
+5. Inductor compiles each graph whole (``backend.py``), keeping the order the passes chose;
+   ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for the
+   step's peak memory.
 
 Every node a pass adds carries ``node.meta["custom"]["pass"]`` (which pass made it) and, for
 nodes replayed from the single-device graph, ``"source"`` (the node it came from), so
