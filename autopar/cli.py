@@ -131,7 +131,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _check_args(args) -> None:
+    """Argument errors, before anything is loaded (a model can take seconds to trace)."""
+    import os
+
+    what = {"gpus": "the GPU count", "seq_len": "the sequence length", "global_batch": "the global batch",
+            "nproc": "--nproc", "steps": "--steps"}
+    for name in what:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise AutoparError(f"{what[name]} must be positive, got {v}")
+    if getattr(args, "top", None) is not None and args.top < 0:
+        raise AutoparError(f"--top is how many runners-up to show: 0 or more, got {args.top}")
+    if getattr(args, "memory_limit_gb", None) is not None and args.memory_limit_gb <= 0:
+        raise AutoparError(f"memory limit must be positive, got {args.memory_limit_gb} GB")
+    hw = getattr(args, "hardware", None)
+    if isinstance(hw, str) and not os.path.exists(hw):
+        from autopar.cost_models.hardware import load
+
+        load(hw)  # an unknown name: the error lists the known ones
+    out = getattr(args, "output", None)
+    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise AutoparError(f"cannot save to {out}: directory {os.path.dirname(os.path.abspath(out))} does not exist; "
+                           "create it first")
+
+
 def _run(args) -> int:
+    _check_args(args)
     from autopar import api, explain
     from autopar.plan import Plan
 

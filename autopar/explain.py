@@ -61,7 +61,7 @@ def _layer_rows(p: Plan):
 
 def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
     pr = p.predicted
     dims = list(zip(MESH_DIMS, p.mesh_shape))
     cp = int(p.pins.get("cp", 1))  # priced by `autopar estimate` only: a mesh dim between dp_shard and tp
@@ -172,7 +172,7 @@ def _bytes(n: float) -> str:
 def render_tuning(rows: list[dict], width: int = 110) -> str:
     """Predicted against measured step time of the plans ``autopar tune`` ran."""
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
     t = Table(title="tuning: predicted vs measured (fastest fitting plan first)")
     for c in ("plan", "predicted s", "measured s", "measured/predicted", "peak GiB", "fits", "reused"):
         t.add_column(c)
@@ -210,7 +210,7 @@ def render_executed(info: dict, *, width: int = 110) -> str:
     """What the executor did: each collective of the compiled graphs (kind, group size, bytes,
     the pass that inserted it and the node or parameter it came from) and the passes' notes."""
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
     for name, recs in info.get("collectives", {}).items():
         t = Table(title=f"collectives in the compiled {name} graphs ({len(recs)})")
         for c in ("graph", "kind", "group", "MiB", "pass", "from"):

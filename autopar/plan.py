@@ -144,6 +144,9 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         version = d.get("version")
+        if version is None and ("architectures" in d or "model_type" in d or "hidden_size" in d):
+            raise AutoparError("this is a model config, not a plan: plan it with "
+                               "'autopar explain config.json --gpus N -o plan.json', then show the plan")
         if version != PLAN_VERSION:
             raise PlanMismatchError(
                 f"plan format version {version!r} is not supported (this autopar reads version "

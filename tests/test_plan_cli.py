@@ -210,3 +210,28 @@ def test_progress_bar_only_on_a_terminal_and_long_searches(monkeypatch):
         prog.update(20, 100)
         assert prog.bar is not None and prog.bar.tasks[0].completed == 20
     assert prog.bar.live.is_started is False
+
+
+def test_estimate_of_a_plan_that_does_not_fit_says_so_and_exits_1():
+    from autopar import cli
+
+    import io
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["estimate", "llama3-70b", "--gpus", "8", "--plan", "tp=8,pp=1,dp=1"])
+    assert rc == 1
+    assert "DOES NOT FIT:" in out.getvalue() and "GiB over" in out.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["estimate", "llama3-8b", "--gpus", "64", "--plan", "tp=1,pp=1,dp=64,fsdp=1"]) == 0
+
+
+def test_arguments_are_checked_before_the_model_loads():
+    """A mistaken argument is answered before torch is imported (within a second, not after a trace)."""
+    code = ("import sys; from autopar import cli; rc = cli.main(sys.argv[1:]); "
+            "print('torch' in sys.modules); sys.exit(rc)")
+    for argv in (["explain", "llama3-8b", "--gpus", "-8"], ["explain", "llama3-8b", "--gpus", "8", "--hardware", "h1000"],
+                 ["explain", "llama3-8b", "--gpus", "8", "-o", "/nonexistent/dir/plan.json"]):
+        r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stdout.strip() == "False", (argv, r.stdout, r.stderr)
