@@ -28,9 +28,10 @@ import torch
 
 _c10d = torch.ops._c10d_functional
 _WAIT = _c10d.wait_tensor.default
-_GATHERS = {_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default}
-_COLLECTIVES = _GATHERS | {_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default,
-                           _c10d.all_to_all_single.default}
+_GATHERS = {_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default,
+            _c10d.all_gather_into_tensor_coalesced.default}
+_COLLECTIVES = _GATHERS | {_c10d.reduce_scatter_tensor.default, _c10d.reduce_scatter_tensor_coalesced.default,
+                           _c10d.all_reduce.default, _c10d.all_to_all_single.default}
 
 
 @dataclass
@@ -137,11 +138,13 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
             for k in refs.get(a, []):
                 last[k] = max(last[k], order[n])
         if n.op == "call_function" and n.target in _COLLECTIVES:
-            wait = next((u for u in n.users if u.target is _WAIT), None)
-            if wait is not None:  # the transport reads the inputs until the wait
+            # The transport reads the inputs until the (last) wait, of the result or of each of
+            # a coalesced collective's results.
+            waits = [w for u in n.users for w in ([u] if u.target is _WAIT else u.users) if w.target is _WAIT]
+            if waits:
                 for a in n.all_input_nodes:
                     for k in refs.get(a, []):
-                        last[k] = max(last[k], order[wait])
+                        last[k] = max(last[k], max(order[w] for w in waits))
     for a in outs:
         for k in refs.get(a, []):
             last[k] = end

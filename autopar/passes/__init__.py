@@ -39,8 +39,8 @@ from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
 
-COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce",
-               "all_to_all_single")
+COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
+               "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_to_all_single")
 
 
 @dataclass
@@ -107,7 +107,7 @@ def collective_record(n: torch.fx.Node) -> dict:
     """kind, group size, bytes (of the result) and origin of one collective node."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    kind = op_short(n.target)
+    kind = op_short(n.target).removesuffix("_coalesced")  # a bucket: one collective on the wire
     group = n.args[-1]
     size = None
     try:
@@ -115,7 +115,8 @@ def collective_record(n: torch.fx.Node) -> dict:
     except Exception:
         size = n.args[1] if kind != "all_reduce" and isinstance(n.args[1], int) else None
     val = n.meta.get("val")
-    nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    nbytes = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
     custom = n.meta.get("custom", {})
     return {"kind": kind, "group": str(group), "group_size": size, "bytes": int(nbytes),
             "pass": custom.get("pass", "?"), "source": custom.get("source", ""), "module": custom.get("module", "")}
