@@ -1,6 +1,6 @@
 """The cost model against published training runs: the validation set.
 
-Two data files: torchtitan's runs (``shared/reference/torchtitan_runs.json``) and the runs of papers
+Two data files: torchtitan's runs (``bench/data/torchtitan_runs.json``, from the shared reference) and the runs of papers
 and reports collected here (``bench/data/published_runs.json``: Megatron-LM SC21 Tables 1 and 2, the
 sequence-parallel paper, MT-NLG, BLOOM, OPT, Llama 3; each entry names its source and says what is
 derived). For every run autopar can express, the run's own configuration is priced with
@@ -39,8 +39,9 @@ from autopar.cost_models.step import Config, CostContext, StageModel, uniform_as
 from bench.common import RESULTS, write
 
 HERE = os.path.dirname(__file__)
-DATA = [os.path.join(HERE, "..", "..", "shared", "reference", "torchtitan_runs.json"),
-        os.path.join(HERE, "data", "published_runs.json")]
+# The project carries the data it is checked against: torchtitan_runs.json is a copy of
+# shared/reference/torchtitan_runs.json (2026-11-25; each entry names its source).
+DATA = [os.path.join(HERE, "data", "torchtitan_runs.json"), os.path.join(HERE, "data", "published_runs.json")]
 TORCHTITAN_PRESET = {
     ("Llama 3.1 8B", 32): "llama3-8b", ("Llama 3 8B", 32): "llama3-8b", ("Llama 3.1 70B", 80): "llama3-70b",
     ("Llama 3 70B", 80): "llama3-70b", ("Llama 3.1 405B", 126): "llama3-405b", ("Llama 3 405B", 126): "llama3-405b",
