@@ -61,6 +61,7 @@ class FailureWatch:
     finalizes aborts the process."""
 
     KEY = "autopar/failure"
+    GRACE_S = 5.0  # how long a rank inside a guarded call may take to raise the same error itself
     _instance: "FailureWatch | None" = None
 
     def __init__(self):
@@ -133,12 +134,16 @@ class FailureWatch:
             if msg.startswith(f"rank {self.rank} "):
                 return
             self.failure = msg
+            # An error every rank meets alike (a bad pin, a plan for another mesh) is raised on
+            # each of them within moments: a rank that leaves its guarded call in the grace
+            # period raises its own; one still inside is waiting in a collective, and stops.
+            deadline = time.monotonic() + self.GRACE_S
+            while self.depth and time.monotonic() < deadline:
+                time.sleep(0.05)
             if self.depth:
                 print(f"autopar: {msg}\nautopar: rank {self.rank} stops: it was waiting for that rank in a "
                       "collective that cannot complete", file=sys.stderr, flush=True)
                 if self.rank == 0:  # rank 0 usually serves the store: let the others read the message first
-                    import time
-
                     time.sleep(2.0)
                 os._exit(1)
             return
@@ -237,6 +242,8 @@ def guarded(where: str):
                 yield
             except Exception as e:
                 first = watch.failure or watch.post(where, e)
+                if isinstance(e, AutoparError):
+                    raise  # this rank's own error about the user's input, whatever the others met
                 if not first.startswith(f"rank {watch.rank} "):
                     raise AutoparError(f"{first}; rank {watch.rank} stopped with it ({type(e).__name__})") from e
                 raise

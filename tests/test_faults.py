@@ -13,6 +13,28 @@ from tests.dist_harness import free_port
 WORLD, FAIL = 4, 2
 
 
+def _launch(script: str, extra: dict, timeout: float = 900):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
+               PYTHONPATH=root, OMP_NUM_THREADS="1", **extra)
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "tests", "scripts", script)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
+    return procs
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_meets_is_raised_on_every_rank():
+    """A bad pin fails on every rank alike: each raises its own AutoparError to the caller (a
+    user's ``except AutoparError`` runs on all of them); none is stopped as if left in a collective."""
+    procs = _launch("every_rank_same_error.py", {})
+    outs = [p.communicate(timeout=300) for p in procs]
+    for r, (out, err) in enumerate(outs):
+        assert procs[r].returncode == 0, (r, out, err[-2000:])
+        assert f"CAUGHT rank {r}: unknown pin 'ep'" in out, (r, out, err[-2000:])
+        assert "stops: it was waiting" not in err
+
+
 @pytest.mark.slow
 def test_one_rank_raises_every_rank_stops():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
