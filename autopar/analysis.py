@@ -135,6 +135,9 @@ class BlockProfile:
 
     def fwd_flops(self) -> float:
         return float(self.costs.flops.sum())
+    # What the min-cut partitioner saves (autopar's executor, and torch.compile's AOTAutograd):
+    # ac -> (TP-split bytes, replicated bytes) per sequence, as ``saved``; {} when not traced.
+    saved_partitioned: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -557,7 +560,83 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         params_tp=params_tp, params_rep=params_all - params_tp, param_shapes=bt.param_shapes,
         saved=saved, hidden_bytes=hidden_bytes, tp_divisors=tp_div, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, quadratic_attention=quad_attn, tp_groups=tp_groups,
+        saved_partitioned=partitioned_saved(bt, batch, tp_nodes, hidden_bytes, saved),
     )
+
+
+def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float, eager: dict) -> dict:
+    """What the executor saves for the block's backward, per AC mode. Without AC: the block's
+    joint forward and backward traced on its fake tensors and split by the min-cut partitioner
+    (the executor's ``backend.partition``); saved values that are a parameter (or a view of one)
+    are not activations and are left out (FSDP regathers them; without FSDP they are resident
+    anyway); the block's input counts as ``hidden_bytes``. Selective AC saves the matmul and
+    attention outputs (the eager estimate of that policy), never more than no AC; full AC the
+    input. Returns {} when the block cannot be traced this way (the eager ``saved`` is used then)."""
+    try:
+        none = _partition_saved(bt, batch, tp_nodes, hidden_bytes)
+    except Exception as e:  # noqa: BLE001 - a block this recipe cannot trace: the eager estimate stands
+        import logging
+
+        logging.getLogger(__name__).info("partitioned saved activations of %s not traced: %s", bt.cls_name, e)
+        return {}
+    sel = eager["selective"]
+    return {"none": none, "selective": (min(sel[0], none[0]), min(sel[1], none[1])), "full": (0.0, hidden_bytes)}
+
+
+def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float):
+    import torch.fx.traceback as fx_traceback
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = bt.gm
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    n_params = len(bt.param_names)
+    vals = [ph.meta["val"] for ph in phs]
+    wrt = set(range(n_params)) | {n_params + i for i in bt.hidden_input_idx}
+    (out,) = gm.graph.find_nodes(op="output")
+    outs = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    float_outs = [a.meta["val"] for a in outs if isinstance(a, torch.fx.Node) and a.meta["val"].is_floating_point()]
+
+    def joint(primals, tangents):
+        ins = [p.detach().requires_grad_(i in wrt and p.is_floating_point()) for i, p in enumerate(primals)]
+        env = dict(zip(phs, ins))
+        res = None
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                res = torch.fx.node.map_arg(n.args[0], env.__getitem__)
+                break
+            if n.op == "get_attr":
+                env[n] = getattr(gm, n.target)
+                continue
+            with fx_traceback.annotate({"source": n.name}):
+                env[n] = n.target(*torch.fx.node.map_arg(n.args, env.__getitem__),
+                                  **torch.fx.node.map_arg(n.kwargs, env.__getitem__))
+        res = list(res) if isinstance(res, (list, tuple)) else [res]
+        diff = [r for r in res if isinstance(r, torch.Tensor) and r.requires_grad]
+        grads = torch.autograd.grad(diff, [ins[i] for i in sorted(wrt)], tangents[:len(diff)], allow_unused=True)
+        return [*res, *[g for g in grads if g is not None]]
+
+    with detect_fake_mode(vals):
+        tangents = [torch.empty(v.shape, dtype=v.dtype) for v in float_outs]
+        with fx_traceback.preserve_node_meta():
+            j = make_fx(joint, tracing_mode="real")(vals, tangents)
+    fw, _ = min_cut_rematerialization_partition(j, None, num_fwd_outputs=len(outs))
+    (fo,) = fw.graph.find_nodes(op="output")
+    params = {ph.meta["val"].untyped_storage()._cdata for ph in fw.graph.find_nodes(op="placeholder")}
+    seen: dict = {}
+    for a in fo.args[0][len(outs):]:
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if not isinstance(v, torch.Tensor) or a.op == "placeholder":
+            continue
+        key = v.untyped_storage()._cdata
+        if key not in params:  # a parameter (a view of one) is not an activation
+            seen[key] = (v.untyped_storage().nbytes(), a.meta.get("custom", {}).get("source", "") in tp_nodes)
+    tp_b = sum(b for b, t in seen.values() if t) / batch
+    rep_b = sum(b for b, t in seen.values() if not t) / batch
+    return tp_b, rep_b + hidden_bytes
 
 
 def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProfile:

@@ -189,6 +189,9 @@ def runs() -> list[tuple[dict, dict | None]]:
             # the fp8 matmuls save); tensor-wise Float8 doubles the matmul peak.
             "global_batch": local * c["dp"], "ac": ac, "fp8": "float8" in prec and "row" not in prec,
             "compiled": compiled, "async_tp": "async" in tech.lower(),
+            # torch.compile'd blocks save what the min-cut partitioner keeps; eager frameworks
+            # (Megatron-LM, DeepSpeed, eager FSDP2) what autograd keeps.
+            "activations": "partitioned" if torchtitan and compiled else "autograd",
         }
         row.update(config=spec["cfg"].short(), ac=ac, fp8=spec["fp8"], compiled=spec["compiled"],
                    async_tp=spec["async_tp"], hardware=spec["hardware"])
@@ -199,7 +202,8 @@ def runs() -> list[tuple[dict, dict | None]]:
 def predict(spec: dict, eff: dict) -> tuple[float, float]:
     prof = profiled(spec["model"], spec["seq"])
     hw = load_hardware(spec["hardware"]).with_efficiency(**eff.get(spec["hardware"], {}))
-    ctx = CostContext(prof, hw, spec["global_batch"], "bf16", spec["compiled"], spec["async_tp"], spec["fp8"])
+    ctx = CostContext(prof, hw, spec["global_batch"], "bf16", spec["compiled"], spec["async_tp"], spec["fp8"],
+                      activations=spec["activations"])
     sm = StageModel(ctx, spec["cfg"])
     e = sm.evaluate(uniform_assignment(sm, spec["ac"]))
     return e.tokens_per_s_per_gpu, e.peak_memory_gb

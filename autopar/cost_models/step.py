@@ -160,6 +160,10 @@ class CostContext:
     async_tp: bool = False
     fp8: bool = False
     memory_limit_gb: float | None = None
+    # Which activations the backward finds saved: "partitioned", what the min-cut partitioner
+    # keeps (autopar's executor; torch.compile'd blocks), or "autograd", what eager autograd
+    # keeps (Megatron-LM, DeepSpeed, eager FSDP2; Korthikanti et al.'s closed forms).
+    activations: str = "partitioned"
 
     @property
     def limit_bytes(self) -> float:
@@ -274,6 +278,8 @@ class StageModel:
         tp, mb, sp = cfg.tp, self.tokens, cfg.sp
         ct = self._times(b.costs, mb, tp, sp, ctx.fp8)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
+        saved = getattr(b, "saved_partitioned", None) if ctx.activations == "partitioned" else None
+        saved = saved or b.saved
         tp_fwd = tp_bwd = 0.0
         for kind, nbytes, n_fwd, n_bwd, _ in tp_layer_collectives(b, cfg, ctx):
             t = self._ct(kind, nbytes, self.g_tp)
@@ -312,9 +318,9 @@ class StageModel:
             }
             time[ac] = sum(parts[ac].values())
             hidden[ac] = max(0.0, busy - parts[ac]["fsdp_comm"])
-            s_tp, s_rep = b.saved[ac]
+            s_tp, s_rep = saved[ac]
             act[ac] = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
-        s_tp, s_rep = b.saved["none"]
+        s_tp, s_rep = saved["none"]
         ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
         return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws, hidden)
 
