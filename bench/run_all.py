@@ -3,7 +3,7 @@
 In order: micro benchmarks (pytest-benchmark: trace, pricing, search, compile setup), planning
 time by model and cluster size, compile time by stage, step-time ratios against hand-written
 baselines, cost-model error against measurements on this machine (before and after
-calibration), and against the published torchtitan runs. ``--quick`` skips the multi-process
+calibration), and against the published torchtitan runs; one step's peak memory against FSDP2. ``--quick`` skips the multi-process
 measurements (step ratios, tuning), which take most of the ~25 minutes on a 2-core machine.
 """
 
@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from bench import compile_time, planning_time, process_time, reference_runs, step_ratio, tune_cpu
+from bench import compile_time, memory, planning_time, process_time, reference_runs, step_ratio, tune_cpu
 from bench.common import RESULTS
 
 
@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     steps = [("micro (pytest-benchmark)", micro), ("planning_time", planning_time.main), ("process_time", process_time.main),
              ("compile_time", compile_time.main), ("reference_runs", reference_runs.main)]
     if "--quick" not in argv:
-        steps += [("step_ratio", lambda: step_ratio.main([])), ("tune_cpu", lambda: tune_cpu.main([]))]
+        steps += [("step_ratio", lambda: step_ratio.main([])), ("memory", lambda: memory.main([])),
+                  ("tune_cpu", lambda: tune_cpu.main([]))]
     rc = 0
     for name, fn in steps:
         print(f"== {name}", flush=True)
