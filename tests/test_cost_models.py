@@ -88,7 +88,9 @@ def test_activation_memory_scales_with_tp_sp_and_inflight(llama8b):
     b = llama8b.blocks[0]
     sm = StageModel(ctx, Config(tp=4, sp=True, pp=4, dp=2, mb=2, schedule="1f1b"))
     saved = b.saved_partitioned["none"]  # what autopar's executor saves (min-cut partitioner)
-    assert sm.coeffs.act["none"] == pytest.approx(2 * (saved[0] / 4 + saved[1] / 4))
+    # ... and under SP each column group's gathered input, whole (3/4 of it beyond the shard).
+    gathered = b.gathers * 2 * llama8b.seq_len * llama8b.hidden * 2 * (1 - 1 / 4)
+    assert sm.coeffs.act["none"] == pytest.approx(2 * (saved[0] / 4 + saved[1] / 4) + gathered)
     assert [sm.inflight(r) for r in range(4)] == [4, 3, 2, 1]
     nosp = StageModel(ctx, Config(tp=4, sp=False, pp=4, dp=2, mb=2))
     assert nosp.coeffs.act["none"] == pytest.approx(2 * (saved[0] / 4 + saved[1]))

@@ -280,6 +280,12 @@ class StageModel:
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         saved = getattr(b, "saved_partitioned", None) if ctx.activations == "partitioned" else None
         saved = saved or b.saved
+        # Under SP autopar's executor keeps each column group's gathered (whole-sequence) input for
+        # the backward (the partitioner does not recompute a collective), where Megatron-LM keeps
+        # the sequence shard and gathers it again.
+        sp_gathered = 0.0
+        if sp and tp > 1 and ctx.activations == "partitioned":
+            sp_gathered = b.gathers * mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes * (1 - 1 / tp)
         tp_fwd = tp_bwd = 0.0
         for kind, nbytes, n_fwd, n_bwd, _ in tp_layer_collectives(b, cfg, ctx):
             t = self._ct(kind, nbytes, self.g_tp)
@@ -320,6 +326,8 @@ class StageModel:
             hidden[ac] = max(0.0, busy - parts[ac]["fsdp_comm"])
             s_tp, s_rep = saved[ac]
             act[ac] = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
+            if sp_gathered and ac != "full":
+                act[ac] += sp_gathered
         s_tp, s_rep = saved["none"]
         ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
         return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws, hidden)
