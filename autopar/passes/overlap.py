@@ -8,14 +8,14 @@ the order chosen here is the order that runs, and the order ``memory.py`` prices
 - **Gathers** (FSDP's parameter all-gathers; ``distribute`` records each where its parameter is
   first used, and the partitioner puts ZeRO-3's backward regathers before their first use):
   consecutive gathers of one layer's parameters (or of parameters outside the layers) become one
-  bucket, a single coalesced all-gather whose outputs are the gathered parameters (no flat
-  buffer to copy out of), waited just before the first use of any of its parameters. Then each bucket's all-gather is
+  bucket, a single all-gather of one flat buffer (Inductor's ``merge_all_gather_bucket``), whose
+  wait sits just before the first use of any of its parameters. Then each bucket's all-gather is
   issued ``prefetch`` buckets ahead: just before the wait of the bucket ``prefetch`` places
-  earlier, placed where that bucket starts being used, so it runs while that layer computes. With ``prefetch = 1`` (FSDP2's default) at most two layers'
+  earlier, placed after that bucket's parameters are copied out of its flat buffer, so it runs
+  while that layer computes. With ``prefetch = 1`` (FSDP2's default) at most two layers'
   gathered weights are alive at once, plus whatever the plan keeps for the backward.
 - **Gradient reductions** (reduce-scatters, and the all-reduces of DDP/HSDP, on the data-parallel
-  groups only; TP's collectives are never touched): one bucket per layer (a coalesced
-  reduce-scatter of the gradients as they are; all-reduces over one flat buffer), issued where the
+  groups only; TP's collectives are never touched): one bucket per layer, issued where the
   layer's last gradient is complete (autograd completes a layer's gradients together), waited
   just before the next bucket of the same kind is issued or the result is used.
 
@@ -32,7 +32,6 @@ import torch
 _c10d = torch.ops._c10d_functional
 _WAIT = _c10d.wait_tensor.default
 _GATHER = _c10d.all_gather_into_tensor.default
-_GATHER_COALESCED = _c10d.all_gather_into_tensor_coalesced.default
 _REDUCE = {_c10d.reduce_scatter_tensor.default: "reduce_scatter", _c10d.all_reduce.default: "all_reduce"}
 
 
@@ -187,23 +186,28 @@ def _merge_gather(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, torch.fx
     _hoist(g, [n.args[0] for n in b.nodes], use)
     _, size, group = b.nodes[0].args
     new, _ = process_collective_bucket(
-        g, b.nodes, _gather_coalesced, lambda ins: ([i.meta["val"] for i in ins], group, size), insert_before=use)
-    return next(n for n in new if n.target is _GATHER_COALESCED), use
+        g, b.nodes, _gather_flat, lambda ins: ([i.meta["val"] for i in ins], group, size), insert_before=use)
+    return next(n for n in new if n.target is _GATHER), use
 
 
-def _gather_coalesced(ins: list, group: str, size: int) -> list:
-    """The bucket's gather, traced into the graph: one coalesced all-gather of the shards (one
-    NCCL group call; on the wire the same as one gather of their concatenation), each output
-    already the gathered parameter, so there is no flat buffer to copy out of. Out of place:
-    Inductor keeps an out-of-place collective's inputs alive until its wait (it does not for the
-    input of ``all_gather_into_tensor_out``, which it reused while a prefetched gather read it)."""
-    return [_WAIT(o) for o in _GATHER_COALESCED(ins, size, group)]
+def _gather_flat(ins: list, group: str, size: int) -> list:
+    """The bucket's gather, traced into the graph: the shards concatenated, one out-of-place
+    all-gather, each parameter's rows taken back out. Out of place, because Inductor keeps an
+    out-of-place collective's input alive until its wait, which it does not do for the input of
+    ``all_gather_into_tensor_out`` (with a prefetched gather in flight, it reused that buffer).
+    Not the coalesced all-gather, whose outputs would need no copy: compiled by Inductor it left
+    every layer's gathered weights resident (measured with bench/memory.py: twice FSDP2's step
+    peak at 8 and 16 layers, where the liveness of the same graphs is FSDP2's)."""
+    flat = torch.cat([x.reshape(-1) for x in ins])
+    out = _WAIT(_GATHER(flat, size, group)).reshape(size, -1)
+    parts = out.split([x.numel() for x in ins], dim=1)
+    return [p.reshape((x.shape[0] * size, *x.shape[1:])) for p, x in zip(parts, ins)]
 
 
 def _prefetch(g: torch.fx.Graph, buckets: list[tuple[torch.fx.Node, torch.fx.Node]], depth: int) -> None:
-    """Issue bucket k's all-gather where bucket k - depth starts being used (its wait done),
-    before that layer computes. With depth 1 a rank holds one layer's gathered parameters and
-    the next one's in flight, as FSDP2."""
+    """Issue bucket k's all-gather where bucket k - depth starts being used: after that bucket's
+    parameters are copied out of its flat buffer (freed then), before its layer computes. With
+    depth 1 a rank then holds one layer's parameters and the next one's flat buffer, as FSDP2."""
     if depth < 1:
         return
     for k in range(depth, len(buckets)):
@@ -222,10 +226,9 @@ def _merge_reduce(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, list]:
         return b.nodes[0], [_wait_of(b.nodes[0])]
     from torch._inductor.fx_passes import bucketing as bk
 
-    if b.kind == "reduce_scatter":  # coalesced: the gradients reduced as they are, no flat copy
-        new, _ = bk.merge_reduce_scatter_bucket(g, b.nodes, mode="coalesced")
-    else:
-        new, _ = bk.merge_all_reduce_bucket(g, b.nodes)
+    # Over one flat buffer, not coalesced: see _gather_flat.
+    merge = bk.merge_reduce_scatter_bucket if b.kind == "reduce_scatter" else bk.merge_all_reduce_bucket
+    new, _ = merge(g, b.nodes)
     i = next(i for i, n in enumerate(new) if n.target is _WAIT)
     return new[0], new[i:]
 
