@@ -1,4 +1,4 @@
-"""Command line: ``autopar explain``, ``autopar estimate``, ``autopar diff``, ``autopar --version``.
+"""Command line: ``autopar explain``, ``estimate``, ``show``, ``diff``, ``export``, ``tune``, ``--version``.
 
 Errors autopar raises for bad input print as one line on stderr with exit status 2.
 """
@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     df = sub.add_parser("diff", help="differences between two saved plans")
     df.add_argument("a")
     df.add_argument("b")
+
+    xp = sub.add_parser("export", help="a saved plan as another framework's configuration")
+    xp.add_argument("plan_file")
+    xp.add_argument("--to", required=True, choices=("torchtitan", "megatron"),
+                    help="torchtitan: job TOML tables; megatron: Megatron-LM pretrain_gpt.py arguments")
+    xp.add_argument("-o", "--output", default=None, help="write it here (default: print it)")
     return ap
 
 
@@ -166,6 +172,17 @@ def _run(args) -> int:
     if args.cmd == "diff":
         lines = Plan.load(args.a).diff(Plan.load(args.b))
         print("\n".join(lines) if lines else "plans are identical")
+        return 0
+    if args.cmd == "export":
+        from autopar.export import export
+
+        text = export(Plan.load(args.plan_file), args.to)
+        if args.output:
+            with open(args.output, "w") as f:
+                f.write(text)
+            print(f"{args.to} configuration written to {args.output}")
+        else:
+            print(text, end="")
         return 0
     if args.cmd == "show":
         p = Plan.load(args.plan_file)
