@@ -59,9 +59,17 @@ def _layer_rows(p: Plan):
         yield name, len(g), stage, chunk, ac
 
 
-def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
+def _console(buf, width: int | None) -> Console:
+    """Plain text at the terminal's width (``COLUMNS`` honoured; 110 when not a terminal)."""
+    import shutil
+
+    width = width or max(40, shutil.get_terminal_size((110, 24)).columns)
+    return Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
+
+
+def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
+    con = _console(buf, width)
     pr = p.predicted
     dims = list(zip(MESH_DIMS, p.mesh_shape))
     cp = int(p.pins.get("cp", 1))  # priced by `autopar estimate` only: a mesh dim between dp_shard and tp
@@ -152,13 +160,13 @@ def render(p: Plan, *, width: int = 110, top: int | None = None) -> str:
 
     runners = p.runners_up[:top] if top is not None else p.runners_up
     if runners:
-        t = Table(title="runners-up (best plan of each other shape)")
-        for c in ("plan", "AC", "s/step", "MFU", "GiB/GPU", "why it lost"):
-            t.add_column(c)
+        # One plan a line, never cut (it can be pasted into --pin / estimate --plan); the numbers
+        # and the reason on the next line, wrapped to the terminal.
+        con.print("runners-up (best plan of each other shape):")
         for r in runners:
-            t.add_row(r["config"], r["ac"], f"{r['step_time_s']:.3f}", f"{r['mfu'] * 100:.1f}%",
-                      f"{r['memory_gb_per_gpu']:.1f}", r["why_lost"])
-        con.print(t)
+            con.print(f"  {r['config']}  AC {r['ac']}", soft_wrap=True)
+            con.print(f"      {r['step_time_s']:.3f} s/step, MFU {r['mfu'] * 100:.1f}%, "
+                      f"{r['memory_gb_per_gpu']:.1f} GiB/GPU: {r['why_lost']}")
     return buf.getvalue()
 
 
@@ -169,10 +177,10 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def render_tuning(rows: list[dict], width: int = 110) -> str:
+def render_tuning(rows: list[dict], width: int | None = None) -> str:
     """Predicted against measured step time of the plans ``autopar tune`` ran."""
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
+    con = _console(buf, width)
     t = Table(title="tuning: predicted vs measured (fastest fitting plan first)")
     for c in ("plan", "predicted s", "measured s", "measured/predicted", "peak GiB", "fits", "reused"):
         t.add_column(c)
@@ -206,11 +214,11 @@ def memory_warnings(pr: dict) -> list[str]:
     return []
 
 
-def render_executed(info: dict, *, width: int = 110) -> str:
+def render_executed(info: dict, *, width: int | None = None) -> str:
     """What the executor did: each collective of the compiled graphs (kind, group size, bytes,
     the pass that inserted it and the node or parameter it came from) and the passes' notes."""
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
+    con = _console(buf, width)
     for name, recs in info.get("collectives", {}).items():
         t = Table(title=f"collectives in the compiled {name} graphs ({len(recs)})")
         for c in ("graph", "kind", "group", "MiB", "pass", "from"):

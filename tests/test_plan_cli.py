@@ -87,6 +87,19 @@ def test_version_and_text_output(capsys):
         assert section in out
 
 
+def test_explain_fits_the_terminal_and_runners_up_paste_back(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "72")
+    assert cli.main(["explain", "llama3-8b", "--gpus", "64", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    # Every line within the width but a runner-up's plan, which is never cut.
+    assert all(len(line) <= 72 for line in out.splitlines() if not line.startswith("  tp="))
+    runners = [line.split()[0] for line in out.split("runners-up")[1].splitlines()[1:] if line.startswith("  tp=")]
+    assert len(runners) == 3
+    for config in runners:  # whole, and accepted by --pin as it stands
+        assert cli.main(["estimate", "llama3-8b", "--gpus", "64", "--plan", config, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["plan"]
+
+
 def test_plan_json_is_deterministic_across_processes(tmp_path):
     """The same model, mesh and options give the same plan file byte for byte in two fresh
     processes (each traces the model itself: separate profile caches, a length no shipped profile has)."""
