@@ -560,30 +560,30 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         params_tp=params_tp, params_rep=params_all - params_tp, param_shapes=bt.param_shapes,
         saved=saved, hidden_bytes=hidden_bytes, tp_divisors=tp_div, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, quadratic_attention=quad_attn, tp_groups=tp_groups,
-        saved_partitioned=partitioned_saved(bt, batch, tp_nodes, hidden_bytes, saved),
+        saved_partitioned=partitioned_saved(bt, batch, tp_nodes, hidden_bytes),
     )
 
 
-def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float, eager: dict) -> dict:
+def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float) -> dict:
     """What the executor saves for the block's backward, per AC mode. Without AC: the block's
     joint forward and backward traced on its fake tensors and split by the min-cut partitioner
     (the executor's ``backend.partition``); saved values that are a parameter (or a view of one)
     are not activations and are left out (FSDP regathers them; without FSDP they are resident
-    anyway); the block's input counts as ``hidden_bytes``. Selective AC saves the matmul and
-    attention outputs (the eager estimate of that policy), never more than no AC; full AC the
+    anyway); the block's input counts as ``hidden_bytes``. Selective AC: the same, with the
+    forward tagged by the AC pass's own policy (``passes.ac.recompute_policy``); full AC the
     input. Returns {} when the block cannot be traced this way (the eager ``saved`` is used then)."""
     try:
         none = _partition_saved(bt, batch, tp_nodes, hidden_bytes)
+        sel = _partition_saved(bt, batch, tp_nodes, hidden_bytes, ac="selective")
     except Exception as e:  # noqa: BLE001 - a block this recipe cannot trace: the eager estimate stands
         import logging
 
         logging.getLogger(__name__).info("partitioned saved activations of %s not traced: %s", bt.cls_name, e)
         return {}
-    sel = eager["selective"]
-    return {"none": none, "selective": (min(sel[0], none[0]), min(sel[1], none[1])), "full": (0.0, hidden_bytes)}
+    return {"none": none, "selective": sel, "full": (0.0, hidden_bytes)}
 
 
-def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float):
+def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float, ac: str = "none"):
     import torch.fx.traceback as fx_traceback
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._guards import detect_fake_mode
@@ -611,9 +611,12 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
             if n.op == "get_attr":
                 env[n] = getattr(gm, n.target)
                 continue
+            target = _out_of_place(n.target)
             with fx_traceback.annotate({"source": n.name}):
-                env[n] = n.target(*torch.fx.node.map_arg(n.args, env.__getitem__),
-                                  **torch.fx.node.map_arg(n.kwargs, env.__getitem__))
+                env[n] = target(*torch.fx.node.map_arg(n.args, env.__getitem__),
+                                **torch.fx.node.map_arg(n.kwargs, env.__getitem__))
+            if target is not n.target and isinstance(n.args[0], torch.fx.Node):
+                env[n.args[0]] = env[n]  # later readers of the mutated tensor read the new value
         res = list(res) if isinstance(res, (list, tuple)) else [res]
         diff = [r for r in res if isinstance(r, torch.Tensor) and r.requires_grad]
         grads = torch.autograd.grad(diff, [ins[i] for i in sorted(wrt)], tangents[:len(diff)], allow_unused=True)
@@ -623,6 +626,14 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
         tangents = [torch.empty(v.shape, dtype=v.dtype) for v in float_outs]
         with fx_traceback.preserve_node_meta():
             j = make_fx(joint, tracing_mode="real")(vals, tangents)
+    if ac != "none":
+        from autopar.passes.ac import forward_nodes, recompute_policy
+
+        for n in forward_nodes(j):
+            policy = recompute_policy(n, ac)
+            # The block's outputs are the forward's outputs here (made once, not recomputed).
+            if policy is not None and not any(u.op == "output" for u in n.users):
+                n.meta.update(recompute=policy, ac_graph_id=1)
     fw, _ = min_cut_rematerialization_partition(j, None, num_fwd_outputs=len(outs))
     (fo,) = fw.graph.find_nodes(op="output")
     params = {ph.meta["val"].untyped_storage()._cdata for ph in fw.graph.find_nodes(op="placeholder")}
@@ -637,6 +648,16 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
     tp_b = sum(b for b, t in seen.values() if t) / batch
     rep_b = sum(b for b, t in seen.values() if not t) / batch
     return tp_b, rep_b + hidden_bytes
+
+
+def _out_of_place(target):
+    """An in-place aten op's out-of-place form (``add_.Scalar`` -> ``add.Scalar``), as AOTAutograd's
+    functionalized joint has it: the partitioner keeps an in-place op in the forward."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return target
+    name = target._schema.name.split("::")[-1]
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    return getattr(packet, target._overloadname, target) if packet is not None else target
 
 
 def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProfile:

@@ -91,6 +91,11 @@ def test_activation_memory_scales_with_tp_sp_and_inflight(llama8b):
     # ... and under SP each column group's gathered input, whole (3/4 of it beyond the shard).
     gathered = b.gathers * 2 * llama8b.seq_len * llama8b.hidden * 2 * (1 - 1 / 4)
     assert sm.coeffs.act["none"] == pytest.approx(2 * (saved[0] / 4 + saved[1] / 4) + gathered)
+    # Under AC the executor gathers those inputs again in the backward (priced as time, not memory).
+    sel = b.saved_partitioned["selective"]
+    assert sm.coeffs.act["selective"] == pytest.approx(2 * (sel[0] / 4 + sel[1] / 4))
+    assert sel[0] + sel[1] < saved[0] + saved[1]
+    assert sm.coeffs.parts["selective"]["tp_comm"] > sm.coeffs.parts["none"]["tp_comm"]
     assert [sm.inflight(r) for r in range(4)] == [4, 3, 2, 1]
     nosp = StageModel(ctx, Config(tp=4, sp=False, pp=4, dp=2, mb=2))
     assert nosp.coeffs.act["none"] == pytest.approx(2 * (saved[0] / 4 + saved[1]))

@@ -39,6 +39,8 @@ from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
 
+# The annotation of a column group's input gathered under TP (the AC pass gathers it again).
+GATHERED_INPUT = "column input gathered"
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
                "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_to_all_single")
 

@@ -20,7 +20,7 @@ import operator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autopar.passes import PassContext
+from autopar.passes import GATHERED_INPUT, PassContext
 
 _aten = torch.ops.aten
 SAVE_OPS = {
@@ -79,14 +79,21 @@ def unseeded(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return _UNSEEDED[op]
 
 
-def _policy(n: torch.fx.Node, mode: str):
+def recompute_policy(n: torch.fx.Node, mode: str):
+    """The checkpoint policy of forward node ``n`` of a layer under AC ``mode`` (None: untagged)."""
     op_node = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) else n
     target = op_node.target
     if op_node.op == "call_function" and _draws_random(op_node):
         return CheckpointPolicy.MUST_SAVE
     if mode == "selective" and target in SAVE_OPS:
-        return CheckpointPolicy.MUST_SAVE
+        return None  # never recomputed (the partitioner bans compute-intensive ops), saved if read
+    if mode == "selective" and _is_collective(target) and n.meta.get("custom", {}).get("why") != GATHERED_INPUT:
+        return CheckpointPolicy.MUST_SAVE  # a reduction's output, not the collective again
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _is_collective(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
 
 
 def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.GraphModule:
@@ -106,7 +113,10 @@ def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.Graph
             continue
         if mode == "full" and _seeded(n.target) and not _draws_random(n):
             n.target = unseeded(n.target)  # deterministic here: recomputed in backward, as the rest
-        n.meta["recompute"] = _policy(n, mode)
+        policy = recompute_policy(n, mode)
+        if policy is None:
+            continue
+        n.meta["recompute"] = policy
         n.meta["ac_graph_id"] = layer + 1
         tagged[mode] = tagged.get(mode, 0) + 1
     for k, v in sorted(tagged.items()):

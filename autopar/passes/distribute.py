@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
 from autopar.errors import AutoparError
-from autopar.passes import dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.passes import GATHERED_INPUT, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
 
@@ -149,7 +149,10 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
             env[a] = env[a].read(node)
         if rules is not None and a in rules.gathered and node in rules.gathered[a]:
             if a not in gathered:
-                with fx_traceback.annotate({"pass": "tp", "source": a.name, "why": "column input gathered"}):
+                # In its first reader's layer, so that under AC the backward gathers it again
+                # (as Megatron-LM's SP does) instead of keeping the whole sequence.
+                layer = {"layer": node.meta["custom"]["layer"]} if "layer" in node.meta.get("custom", {}) else {}
+                with fx_traceback.annotate({"pass": "tp", "source": a.name, "why": GATHERED_INPUT, **layer}):
                     gathered[a] = gather(env[a])
             return gathered[a]
         return env[a]
