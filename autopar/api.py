@@ -320,6 +320,7 @@ def _summary(ctx: CostContext, e: Estimate) -> dict:
         "mfu": e.mfu,
         "memory_gb_per_gpu": e.peak_memory_gb,
         "memory_gb_per_stage": [m / (1 << 30) for m in e.memory_bytes],
+        "activations_gb_per_stage": [m / (1 << 30) for m in e.activation_bytes],
         "breakdown": e.breakdown,
         "memory_breakdown_gb": {k: v / (1 << 30) for k, v in e.memory_breakdown.items()},
         "memory_limit_gb": ctx.limit_bytes / (1 << 30),

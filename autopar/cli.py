@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--top", type=int, default=3, help="runners-up to show")
     ex.add_argument("-o", "--output", default=None, help="save the plan JSON here")
     ex.add_argument("--graph", action="store_true", help="also print the first layer's rewritten graph with provenance")
+    ex.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="draw the pipeline schedule and each rank's memory over one step")
     ex.add_argument("--checkpoint", default=None,
                     help="a checkpoint directory written by pm.save_checkpoint: show how the new plan differs "
                          "from the one it was saved under")
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="explain a saved plan JSON without searching again")
     sh.add_argument("plan_file")
     sh.add_argument("--json", action="store_true")
+    sh.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="draw the pipeline schedule and each rank's memory over one step")
 
     tu = sub.add_parser("tune", help="measure this machine and candidate plans")
     tsub = tu.add_subparsers(dest="tune_cmd", required=True)
@@ -156,10 +160,18 @@ def _check_args(args) -> None:
         from autopar.cost_models.hardware import load
 
         load(hw)  # an unknown name: the error lists the known ones
-    out = getattr(args, "output", None)
-    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise AutoparError(f"cannot save to {out}: directory {os.path.dirname(os.path.abspath(out))} does not exist; "
-                           "create it first")
+    for out in (getattr(args, "output", None), getattr(args, "plot", None)):
+        if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise AutoparError(f"cannot save to {out}: directory {os.path.dirname(os.path.abspath(out))} does not "
+                               "exist; create it first")
+
+
+def _plot(p, args) -> None:
+    if getattr(args, "plot", None):
+        from autopar.plot import plot_plan
+
+        plot_plan(p, args.plot)
+        print(f"schedule and memory picture written to {args.plot}", file=sys.stderr)
 
 
 def _run(args) -> int:
@@ -187,6 +199,7 @@ def _run(args) -> int:
     if args.cmd == "show":
         p = Plan.load(args.plan_file)
         print(json.dumps(explain.plan_json(p), indent=1) if args.json else explain.render(p), end="" if not args.json else "\n")
+        _plot(p, args)
         return 0
     common = dict(hardware=args.hardware, global_batch=args.global_batch, precision=args.precision,
                   memory_limit_gb=args.memory_limit_gb, seq_len=args.seq_len)
@@ -197,6 +210,7 @@ def _run(args) -> int:
         p, _, _ = api.estimate_plan(args.model, args.gpus, args.plan, **common)
     if args.output:
         p.save(args.output)
+    _plot(p, args)
     if getattr(args, "graph", False) and not args.json:
         from autopar import inspect_graph, models
 

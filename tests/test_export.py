@@ -93,3 +93,28 @@ def test_export_writes_a_file(plans, tmp_path, capsys):
     assert cli.main(["export", str(f), "--to", "torchtitan", "-o", str(out)]) == 0
     assert "written to" in capsys.readouterr().out
     assert tomllib.loads(out.read_text())["parallelism"]["tensor_parallel_degree"] == 2
+
+
+@pytest.mark.parametrize("name", ["fsdp_tp_sp", "pp_interleaved_full", "pp_zbv"])
+def test_plot_follows_the_schedule_and_the_predicted_memory(plans, name, tmp_path, capsys):
+    from autopar import plot
+
+    p = plans[name]
+    tl = plot.timeline(p)
+    assert len(tl) == p.pp
+    shown = plot.shown_microbatches(p)
+    for row in tl:  # every stage of the rank: a forward and its backward for every microbatch shown
+        kinds = [k for k, *_ in row]
+        assert kinds.count("F") == shown * p.v
+        assert kinds.count("B") + kinds.count("I") == shown * p.v
+        assert all(s < e for *_, s, e in row) and all(a[4] <= b[3] for a, b in zip(row, row[1:]))
+    curves = plot.memory_curves(p, tl)
+    pr = p.predicted
+    per_rank = pr.get("memory_gb_per_stage") or [pr["memory_gb_per_gpu"]]
+    # Each rank's highest point is its predicted peak (less the reserve, drawn as the limit's margin).
+    for r, curve in enumerate(curves):
+        assert max(y for _, y in curve) == pytest.approx(per_rank[r] - pr["memory_breakdown_gb"]["reserve"], rel=1e-6)
+    f = tmp_path / "plan.json"
+    p.save(str(f))
+    assert cli.main(["show", str(f), "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -203,6 +203,7 @@ class Estimate:
     tokens_per_s_per_gpu: float
     mfu: float
     collectives: list[dict] = field(default_factory=list)
+    activation_bytes: list[float] = field(default_factory=list)  # per pipeline rank, at its peak
 
     @property
     def peak_memory_gb(self) -> float:
@@ -280,24 +281,26 @@ class StageModel:
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         saved = getattr(b, "saved_partitioned", None) if ctx.activations == "partitioned" else None
         saved = saved or b.saved
-        # Under SP autopar's executor keeps each column group's gathered (whole-sequence) input for
-        # the backward (the partitioner does not recompute a collective), where Megatron-LM keeps
-        # the sequence shard and gathers it again.
+        # Under SP without AC autopar's executor keeps each column group's gathered (whole-sequence)
+        # input for the backward (the partitioner does not recompute a collective); under AC it
+        # keeps the sequence shard and gathers it again in the backward, as Megatron-LM does.
         sp_gathered = 0.0
         if sp and tp > 1 and ctx.activations == "partitioned":
             sp_gathered = b.gathers * mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes * (1 - 1 / tp)
-        tp_fwd = tp_bwd = 0.0
+        tp_fwd = tp_bwd = regather = 0.0
         for kind, nbytes, n_fwd, n_bwd, _ in tp_layer_collectives(b, cfg, ctx):
             t = self._ct(kind, nbytes, self.g_tp)
             tp_fwd += n_fwd * t
             tp_bwd += n_bwd * t
+            if sp and kind == "all_gather":
+                regather += n_fwd * t
         cp_fwd = cp_bwd = 0.0
         for kind, nbytes, n_fwd, n_bwd, _ in cp_layer_collectives(b, cfg, ctx):
             t = self._ct(kind, nbytes, self.g_cp)
             cp_fwd += n_fwd * t
             cp_bwd += n_bwd * t
         if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
-            tp_fwd, tp_bwd = tp_fwd * 0.3, tp_bwd * 0.3
+            tp_fwd, tp_bwd, regather = tp_fwd * 0.3, tp_bwd * 0.3, regather * 0.3
         p_local = b.params_tp / tp + b.params_rep
         ag, rs, busy = self._fsdp_collectives(p_local, cfg.reshard)
         # Under SP the sequence region's ops (norms; residual adds are counted too) run on DTensors.
@@ -313,7 +316,7 @@ class StageModel:
             if cfg.fsdp_once == "gather":  # gathered once per step, spread over its microbatches
                 per_tensor /= self.M
         for ac in AC_MODES:
-            comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1)
+            comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1) + (regather if ac == "selective" else 0.0)
             fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd + rec[ac], cfg.reshard) + per_tensor
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
@@ -326,7 +329,7 @@ class StageModel:
             hidden[ac] = max(0.0, busy - parts[ac]["fsdp_comm"])
             s_tp, s_rep = saved[ac]
             act[ac] = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
-            if sp_gathered and ac != "full":
+            if sp_gathered and ac == "none":
                 act[ac] += sp_gathered
         s_tp, s_rep = saved["none"]
         ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
@@ -673,7 +676,7 @@ class StageModel:
         return Estimate(
             config=cfg, assignment=a, step_time_s=T, breakdown=breakdown, memory_bytes=totals,
             memory_breakdown=mems[peak_r], tokens_per_s_per_gpu=tps, mfu=mfu,
-            collectives=self.collectives(a),
+            collectives=self.collectives(a), activation_bytes=[x["activations"] for x in mems],
         )
 
     def collectives(self, a: Assignment) -> list[dict]:
