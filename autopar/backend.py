@@ -11,6 +11,7 @@ only in code generation.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -76,6 +77,11 @@ def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.Gr
 
     in_i = ancestors(i_outs)
     in_w = ancestors(w_outs) - in_i
+    # A multi-output op in I (layer norm's backward: input, weight and bias gradients) hands W
+    # its items, not the tuple: a graph's inputs and outputs are tensors.
+    items = {n for n in in_w if n.target is operator.getitem and n.args[0] in in_i}
+    in_i |= items
+    in_w -= items
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     stray = [n for n in g.nodes if n.op not in ("placeholder", "output") and n not in in_i and n not in in_w]
     if stray:

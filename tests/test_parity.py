@@ -76,6 +76,9 @@ CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
 CI_PP2 = [case("llama-tiny-4layers", n, p) for n, p in PP2.items()] + [
     # 3 layers over 2 stages (the planner splits them 2 + 1), the head tied to the embedding.
     case("gpt-tiny-3layers", "pp2_1f1b_uneven", "pp=2,tp=1,dp=1,schedule=1f1b"),
+    # Zero bubble with LayerNorm: its backward makes the input and the weight gradients in one op,
+    # whose items the weight-gradient graph receives (not the tuple).
+    case("hf-gpt2-4layers", "pp2_zbv", PP2["pp2_zbv"]),
 ]
 
 

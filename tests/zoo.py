@@ -145,6 +145,9 @@ class CustomLlama(nn.Module):
 
 
 def build(kind: str, **overrides) -> nn.Module:
+    if kind.startswith("hf-") and kind.endswith("layers"):  # "hf-<family>-<n>layers": n decoder layers
+        base, n = kind.rsplit("-", 1)
+        return _hf(base, num_hidden_layers=int(n.removesuffix("layers")), **overrides)
     if kind.startswith("hf-"):
         return _hf(kind, **overrides)
     if kind == "custom-llama":
