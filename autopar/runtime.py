@@ -343,15 +343,18 @@ class _WeightGrads:
         t0 = time.perf_counter()
         args = _as_expected(self.carried, c.bw_weight_strides)
         self.carried = None
-        out = c.bw_weight(args)
-        self.runner.busy_s += time.perf_counter() - t0
-        out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
-        for i, g in zip(self.runner.grad_index, out):
-            p = self.params[i]
-            if p.grad is None:
-                p.grad = _placed(g.clone(memory_format=torch.contiguous_format), self.metas[i])
-            else:
-                getattr(p.grad, "_local_tensor", p.grad).add_(g)
+        # A backward computation and its accumulation, outside autograd (the eager graph,
+        # compile=False, would otherwise record them and refuse the in-place add).
+        with torch.no_grad():
+            out = c.bw_weight(args)
+            self.runner.busy_s += time.perf_counter() - t0
+            out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
+            for i, g in zip(self.runner.grad_index, out):
+                p = self.params[i]
+                if p.grad is None:
+                    p.grad = _placed(g.clone(memory_format=torch.contiguous_format), self.metas[i])
+                else:
+                    getattr(p.grad, "_local_tensor", p.grad).add_(g)
 
 
 def _as_expected(values: list, strides: list) -> list:

@@ -144,7 +144,72 @@ class CustomLlama(nn.Module):
         return self.out(self.norm(x))
 
 
+class TitanAttention(nn.Module):
+    """Attention as torchtitan's Llama 3 writes it: complex rotary embeddings (a complex buffer,
+    ``view_as_complex``/``view_as_real``), grouped KV heads repeated, SDPA."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.hd)
+        k = self.wk(x).view(b, s, self.kv_heads, self.hd)
+        v = self.wv(x).view(b, s, self.kv_heads, self.hd)
+        f = freqs_cis[:s].view(1, s, 1, -1)
+        q = torch.view_as_real(torch.view_as_complex(q.float().reshape(b, s, self.heads, -1, 2)) * f).flatten(3)
+        k = torch.view_as_real(torch.view_as_complex(k.float().reshape(b, s, self.kv_heads, -1, 2)) * f).flatten(3)
+        rep = self.heads // self.kv_heads
+        k = k[:, :, :, None, :].expand(b, s, self.kv_heads, rep, self.hd).reshape(b, s, self.heads, self.hd)
+        v = v[:, :, :, None, :].expand(b, s, self.kv_heads, rep, self.hd).reshape(b, s, self.heads, self.hd)
+        q, k, v = (t.type_as(x).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int):
+        super().__init__()
+        self.attention = TitanAttention(dim, heads, kv_heads)
+        self.w1, self.w2, self.w3 = (nn.Linear(a, b, bias=False) for a, b in ((dim, hidden), (hidden, dim), (dim, hidden)))
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class TitanLlama(nn.Module):
+    """Blocks in a ModuleDict keyed by layer number and a complex ``freqs_cis`` buffer passed to
+    each, the way torchtitan's Llama 3 is written."""
+
+    def __init__(self, dim: int = 64, heads: int = 8, kv_heads: int = 4, layers: int = 4, seq: int = 64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(dim, heads, kv_heads, 128) for i in range(layers)})
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, VOCAB, bias=False)
+        hd = dim // heads
+        freqs = 1.0 / (500000.0 ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=True)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
 def build(kind: str, **overrides) -> nn.Module:
+    if kind == "titan-llama":
+        return TitanLlama()
     if kind.startswith("hf-") and kind.endswith("layers"):  # "hf-<family>-<n>layers": n decoder layers
         base, n = kind.rsplit("-", 1)
         return _hf(base, num_hidden_layers=int(n.removesuffix("layers")), **overrides)
