@@ -56,8 +56,10 @@ def profile_model(
     name = type(model).__name__
     notes: tuple[str, ...] = ()
     if isinstance(model, models.ModelSource):
+        notes = model.notes
         if example_inputs is None:
-            seq_len, notes = models.planning_seq_len(model, seq_len)
+            seq_len, seq_notes = models.planning_seq_len(model, seq_len)
+            notes += seq_notes
         vocab = model.vocab_size
         name = model.name
         build: Any = model.build

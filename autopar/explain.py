@@ -60,11 +60,13 @@ def _layer_rows(p: Plan):
 
 
 def _console(buf, width: int | None) -> Console:
-    """Plain text at the terminal's width (``COLUMNS`` honoured; 110 when not a terminal)."""
+    """Plain text: tables at the terminal's width (``COLUMNS`` honoured; 110 when not a
+    terminal); a line of prose is left whole for the terminal to wrap (it stays greppable and
+    pasteable)."""
     import shutil
 
     width = width or max(40, shutil.get_terminal_size((110, 24)).columns)
-    return Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False)
+    return Console(file=buf, width=width, force_terminal=False, color_system=None, emoji=False, soft_wrap=True)
 
 
 def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
@@ -164,7 +166,7 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
         # and the reason on the next line, wrapped to the terminal.
         con.print("runners-up (best plan of each other shape):")
         for r in runners:
-            con.print(f"  {r['config']}  AC {r['ac']}", soft_wrap=True)
+            con.print(f"  {r['config']}  AC {r['ac']}")
             con.print(f"      {r['step_time_s']:.3f} s/step, MFU {r['mfu'] * 100:.1f}%, "
                       f"{r['memory_gb_per_gpu']:.1f} GiB/GPU: {r['why_lost']}")
     return buf.getvalue()

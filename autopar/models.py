@@ -263,6 +263,7 @@ class ModelSource:
     vocab_size: int | None = None
     hf: bool = False
     spec: dict = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what autopar assumed about the model (shown with the plan)
 
 
 def _check_config_fields(path: str, raw: dict, cls: type) -> None:
@@ -281,6 +282,39 @@ def _check_config_fields(path: str, raw: dict, cls: type) -> None:
         if close:
             raise AutoparError(f"{path}: unknown field {key!r} for a {raw['model_type']} config; did you mean "
                                f"{close[0]!r}? (transformers would ignore it and build a different model)")
+
+
+# The fields that decide a decoder's shape. Without the first three transformers builds its own
+# default model (a 4096-wide, 32-head one under the file's name): refused. The others have
+# conventional defaults (KV heads = heads, FFN from the width): used, and said in a note.
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads")
+_DEFAULTED = ("vocab_size", "intermediate_size", "num_key_value_heads")
+
+
+def _shape_fields(path: str, raw: dict, cfg) -> tuple[str, ...]:
+    """Refuse a config without the fields that define its shape; name the defaults it takes."""
+    aliases = dict(getattr(type(cfg), "attribute_map", {}))  # the standard name -> the family's (n_embd)
+
+    def given(field: str) -> bool:
+        return field in raw or aliases.get(field) in raw
+
+    missing = [f for f in _REQUIRED if hasattr(cfg, f) and not given(f)]
+    if missing:
+        raise AutoparError(f"{path} has no {', '.join(repr(aliases.get(f, f)) for f in missing)}: without it "
+                           f"transformers builds its default {raw['model_type']} shape ("
+                           + ", ".join(f"{f}={getattr(cfg, f)}" for f in missing)
+                           + "), not this model; add the field(s) from the model's own config.json")
+    notes = []
+    for f in _DEFAULTED:
+        v = getattr(cfg, f, None)
+        if v is not None and not given(f):
+            notes.append(f"{os.path.basename(path)} has no {aliases.get(f, f)!r}: transformers' default {v} used")
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        why = "" if given("num_key_value_heads") else f" (no num_key_value_heads in the file: {kv} is transformers' default)"
+        raise AutoparError(f"{path}: {heads} attention heads are not divisible by {kv} KV heads{why}; "
+                           "num_key_value_heads must divide num_attention_heads")
+    return tuple(notes)
 
 
 def _hf_source(path: str) -> ModelSource:
@@ -314,6 +348,7 @@ def _hf_source(path: str) -> ModelSource:
         cfg = transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError, TypeError) as e:
         raise AutoparError(f"{path} is not a valid {raw['model_type']} config: {e}") from e
+    notes = _shape_fields(path, raw, cfg)
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
     # SDPA (the fused kernel) where transformers has it for the family; GPT-J and BLOOM have only
@@ -326,7 +361,11 @@ def _hf_source(path: str) -> ModelSource:
         return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
 
     seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or cfg.model_type
+    # The model's own name where the config has one (a hub id), else the file's: its directory
+    # for a config.json, the file name for any other.
+    stem = os.path.splitext(os.path.basename(path))[0]
+    where = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
+    name = str(raw.get("_name_or_path") or "") or where or cfg.model_type
     return ModelSource(
         name=f"hf:{cfg.model_type}:{name}",
         build=build,
@@ -334,6 +373,7 @@ def _hf_source(path: str) -> ModelSource:
         vocab_size=cfg.vocab_size,
         hf=True,
         spec={"kind": "hf", "config": raw},
+        notes=notes,
     )
 
 

@@ -44,6 +44,11 @@ def files(tmp_path_factory):
         "cfg_type": put("c/config.json", json.dumps({**QWEN, "model_type": "qwen9"})),
         "cfg_none": put("d/config.json", json.dumps({"hidden_size": 4})),
         "cfg_ok": put("e/config.json", json.dumps(QWEN)),
+        "cfg_no_hidden": put("f/config.json", json.dumps({k: v for k, v in QWEN.items() if k != "hidden_size"})),
+        "cfg_no_heads": put("g/config.json", json.dumps({k: v for k, v in QWEN.items() if k != "num_attention_heads"})),
+        "cfg_kv3": put("h/config.json", json.dumps({**QWEN, "num_key_value_heads": 3})),
+        "cfg_no_kv": put("i/config.json", json.dumps({**{k: v for k, v in QWEN.items() if k != "num_key_value_heads"},
+                                                      "model_type": "llama", "_name_or_path": "org/llama-small"})),
         "hw_missing": put("hw1.json", json.dumps({k: v for k, v in H100.items() if k != "memory_gb"})),
         "hw_negative": put("hw2.json", json.dumps({**H100, "intra_node_gbps": -450})),
         "hw_text": put("hw3.json", json.dumps({**H100, "peak_tflops": "fast"})),
@@ -104,6 +109,11 @@ CLI_CASES = [
     ("config_misspelled_field", "explain {cfg_typo} --gpus 8", r"unknown field 'num_hiden_layers' .*did you mean 'num_hidden_layers'"),
     ("config_wrong_model_type", "explain {cfg_type} --gpus 8", r"model_type 'qwen9' is not a family transformers .* knows; did you mean"),
     ("config_without_model_type", "explain {cfg_none} --gpus 8", r"has no 'model_type'"),
+    ("config_without_width", "explain {cfg_no_hidden} --gpus 8",
+     r"has no 'hidden_size': without it transformers builds its default qwen2 shape \(hidden_size=\d+\), not this model"),
+    ("config_without_heads", "explain {cfg_no_heads} --gpus 8", r"has no 'num_attention_heads'"),
+    ("config_kv_heads_not_dividing", "explain {cfg_kv3} --gpus 8",
+     r"4 attention heads are not divisible by 3 KV heads; num_key_value_heads must divide"),
     ("seq_len_above_positions", "explain {cfg_ok} --gpus 8 --seq-len 200000", r"--seq-len 200000 is above .*131072 positions"),
     ("plan_corrupt", "show {plan_corrupt}", r"p1.json: plan is not valid JSON"),
     ("plan_other_version", "show {plan_version}", r"plan format version 999 is not supported"),
@@ -139,6 +149,13 @@ def test_cli_debug_shows_the_traceback():
     r = subprocess.run([sys.executable, "-m", "autopar", "--debug", "explain", "nosuch", "--gpus", "8"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and "Traceback" in r.stderr and "unknown model 'nosuch'" in r.stderr
+
+
+def test_defaulted_config_fields_and_the_models_name_are_stated(files, capsys):
+    assert cli.main(["explain", files["cfg_no_kv"], "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "autopar plan for hf:llama:org/llama-small on 8" in out  # the config's own name, not its directory
+    assert "note: config.json has no 'num_key_value_heads': transformers' default 4 used" in out
 
 
 def test_default_sequence_length_is_stated(files, capsys):
