@@ -250,7 +250,17 @@ def plan(
     log.info("planned %s on %d GPUs: capture+analysis %.2fs, search %.2fs (%d configs, %d MILPs)",
              prof.source_name, world, prof.seconds, res.seconds, res.n_configs, res.n_milp)
     return dataclasses.replace(to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up,
-                                       schedules=res.schedules), notes=prof.notes)
+                                       schedules=res.schedules), notes=prof.notes + _batch_notes(ctx, global_batch, world))
+
+
+def _batch_notes(ctx: CostContext, given: int | None, world: int) -> tuple[str, ...]:
+    """Say so when the default global batch is not the default's 4M tokens (one sequence per 8
+    GPUs at least, so that every data-parallel rank has work)."""
+    seq = ctx.model.seq_len
+    if given is not None or ctx.global_batch * seq <= DEFAULT_TOKENS_PER_STEP:
+        return ()
+    return (f"global batch {ctx.global_batch:,} sequences ({ctx.global_batch * seq / 1e6:,.0f}M tokens): the default "
+            f"4M tokens raised to one sequence per 8 of the {world:,} GPUs; pass --global-batch to plan another",)
 
 
 def plan_candidates(
@@ -300,10 +310,15 @@ def estimate_plan(
         fsdp_once=kv.get("once", ""), fsdp_unit=kv.get("unit", "layer"), dp_overlap=kv.get("dp_overlap", True),
         cp=cp, prefetch=kv.get("prefetch", 1),
     )
-    validate_config(ctx, cfg)
+    validate_config(ctx, cfg, priced_only=True)
     sm = StageModel(ctx, cfg)
     est = sm.evaluate(uniform_assignment(sm, kv.get("ac", "none")))
-    return to_plan(ctx, est, world, pins=kv), est, ctx
+    p = to_plan(ctx, est, world, pins=kv)
+    if pp > 1 and sm.M < pp:
+        p = dataclasses.replace(p, notes=(*p.notes, f"{sm.M} microbatches over {pp} pipeline stages: priced with "
+                                          f"its bubble ({pp - 1} of {sm.M + pp - 1} microbatch times idle); "
+                                          "autopar's pipeline schedules need at least one microbatch per stage"))
+    return p, est, ctx
 
 
 def why_lost(winner: Estimate, other: Estimate) -> str:
@@ -482,6 +497,11 @@ def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Pro
             raise PlanMismatchError(
                 f"the plan was priced by `autopar estimate` with {k}={v}, which autopar does not run "
                 f"({search_mod.ESTIMATE_ONLY[k]}); plan with `autopar explain` or pass plan=\"auto\" or pins")
+        if plan_arg.pp > 1 and plan_arg.n_microbatches < plan_arg.pp:
+            raise PlanMismatchError(
+                f"the plan runs {plan_arg.n_microbatches} microbatches over {plan_arg.pp} pipeline stages (priced by "
+                "`autopar estimate`); autopar's pipeline schedules need at least one per stage: use a larger "
+                "global batch or a smaller mb")
         plan_arg.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
         return plan_arg
     hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")

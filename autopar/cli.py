@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+MIN_SEQ_LEN = 16  # shorter is not a language-model training run
+
+
 def _check_args(args) -> None:
     """Argument errors, before anything is loaded (a model can take seconds to trace)."""
     import os
@@ -151,6 +154,10 @@ def _check_args(args) -> None:
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise AutoparError(f"{what[name]} must be positive, got {v}")
+    if getattr(args, "seq_len", None) is not None and 0 < args.seq_len < MIN_SEQ_LEN:
+        raise AutoparError(f"--seq-len {args.seq_len} is not a training sequence (the default 4M tokens a step "
+                           f"would be {(1 << 22) // args.seq_len:,} sequences of {args.seq_len}): give at least "
+                           f"{MIN_SEQ_LEN}, or leave it out for the model's own length")
     if getattr(args, "top", None) is not None and args.top < 0:
         raise AutoparError(f"--top is how many runners-up to show: 0 or more, got {args.top}")
     if getattr(args, "memory_limit_gb", None) is not None and args.memory_limit_gb <= 0:

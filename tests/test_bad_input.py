@@ -100,6 +100,8 @@ CLI_CASES = [
     ("seq_not_divisible_under_sp", "estimate llama3-8b --gpus 8 --seq-len 1001 --plan tp=8,sp=1,pp=1,dp=1,mb=1",
      r"splits the 1001-token sequence over tp=8 ranks.*multiple of 8, or sp=0"),
     ("seq_len_zero", "explain llama3-8b --gpus 8 --seq-len 0", r"sequence length must be positive"),
+    ("seq_len_one", "explain llama3-8b --gpus 8 --seq-len 1", r"--seq-len 1 is not a training sequence .*4,194,304 "
+     r"sequences of 1.*at least 16"),
     ("memory_limit_negative", "explain llama3-8b --gpus 8 --memory-limit-gb -3", r"memory limit must be positive"),
     ("hardware_missing_field", "explain llama3-8b --gpus 8 --hardware {hw_missing}", r"lacks memory_gb; required: name, peak_tflops"),
     ("hardware_negative", "explain llama3-8b --gpus 8 --hardware {hw_negative}", r"intra_node_gbps must be a positive number, got -450"),

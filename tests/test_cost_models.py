@@ -370,3 +370,25 @@ def test_context_parallel_is_priced_not_planned(llama8b, tmp_path):
     with pytest.raises(AutoparError, match="priced by `autopar estimate` with cp=2"):
         api._resolve_plan(Plan.load(str(path)), None, 8, None, example_inputs=None, hardware=None, global_batch=None,
                           memory_limit_gb=None, loss_fn=None, device="cpu")
+
+
+def test_fewer_microbatches_than_stages_priced_with_its_bubble_not_run(llama8b):
+    """Megatron-LM ran pipelines with fewer microbatches than stages (SC21, Fig. 14): estimate
+    prices them, (M + pp - 1) microbatch times; the search and the executor do not run them."""
+    from autopar import api
+
+    ctx = CostContext(llama8b, load_hardware("h100"), 4)
+    with pytest.raises(AutoparError, match="microbatches cannot fill 8 pipeline stages"):
+        estimate(ctx, Config(pp=8, mb=1))
+    plan, est, _ = api.estimate_plan("llama3-8b", 8, "pp=8,dp=1,mb=1,schedule=1f1b", global_batch=4)
+    assert plan.n_microbatches == 4 and any("4 microbatches over 8 pipeline stages" in n for n in plan.notes)
+    _, full, _ = api.estimate_plan("llama3-8b", 8, "pp=8,dp=1,mb=1,schedule=1f1b", global_batch=8)
+    # The pipeline part is M slowest-stage times plus the bubble (the other stages' once): half
+    # the microbatches take more than half the time, and the bubble is a larger share of it.
+    pipe = lambda e: e.step_time_s - e.breakdown["optimizer"] - e.breakdown["dp_comm"]  # noqa: E731
+    assert 0.5 < pipe(est) / pipe(full) < 11 / 15
+    assert est.breakdown["bubble"] == pytest.approx(full.breakdown["bubble"], rel=1e-6)
+    assert est.breakdown["bubble"] / pipe(est) > full.breakdown["bubble"] / pipe(full)
+    with pytest.raises(AutoparError, match="need at least one per stage"):
+        api._resolve_plan(plan, None, 8, None, example_inputs=None, hardware=None, global_batch=None,
+                          memory_limit_gb=None, loss_fn=None, device="cpu")

@@ -803,7 +803,10 @@ def estimate(ctx: CostContext, cfg: Config, assignment: Assignment | None = None
     return sm.evaluate(assignment or uniform_assignment(sm, ac))
 
 
-def validate_config(ctx: CostContext, cfg: Config) -> None:
+def validate_config(ctx: CostContext, cfg: Config, *, priced_only: bool = False) -> None:
+    """Refuse a configuration that cannot be priced. ``priced_only`` (``autopar estimate`` of a
+    published run): a 1F1B or GPipe pipeline with fewer microbatches than stages is priced (its
+    bubble is the larger share: Megatron-LM ran such runs), though autopar does not run one."""
     m = ctx.model
     if cfg.dp_shard < 1 or cfg.dp % cfg.dp_shard:
         raise AutoparError(f"dp_shard ({cfg.dp_shard}) must divide dp ({cfg.dp})")
@@ -819,7 +822,7 @@ def validate_config(ctx: CostContext, cfg: Config) -> None:
     if local % cfg.mb:
         raise AutoparError(f"local batch {local} (global {ctx.global_batch} / dp {cfg.dp}) is not divisible by mb={cfg.mb}")
     M = local // cfg.mb
-    if cfg.pp > 1 and M < cfg.pp:
+    if cfg.pp > 1 and M < cfg.pp and not (priced_only and cfg.schedule in ("1f1b", "gpipe")):
         raise AutoparError(f"{M} microbatches cannot fill {cfg.pp} pipeline stages; use a smaller mb or pp")
     if cfg.schedule in ("interleaved", "interleaved_zb") and cfg.pp > 1 and (cfg.v < 2 or M % cfg.pp):
         raise AutoparError(f"{cfg.schedule} needs v >= 2 and microbatches ({M}) divisible by pp ({cfg.pp})")
