@@ -179,7 +179,16 @@ def _trace_error(e: Exception, what: str, advice: str | None = None) -> TraceErr
     here = os.path.dirname(os.path.abspath(__file__))
     user = [f for f in frames if "site-packages/torch" not in f.filename and not f.filename.startswith(here)]
     where = f" at {user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else ""
-    if advice is None and _data_dependent(e):
+    library = next((lib for lib in ("transformers", "diffusers", "timm") if user and
+                    f"site-packages/{lib}/" in user[-1].filename.replace(os.sep, "/")), None)
+    if advice is None and _data_dependent(e) and library:
+        # Not the user's code: a form of the library's this version of autopar does not trace.
+        advice = (f"That line is {library}' own code (not yours): it decides on tensor values (data-dependent "
+                  "control flow, e.g. routing tokens to experts by a loop over the experts that received any), "
+                  "which autopar's fake-tensor trace cannot follow, and autopar has no traceable form of this "
+                  f"{library} module yet. Nothing to change in your model; a model whose modules autopar knows "
+                  "(see the README's families) or a factory returning a traceable equivalent plans today.")
+    elif advice is None and _data_dependent(e):
         advice = (
             "autopar traces the model on fake tensors, where values are unknown: Python control flow "
             "on a tensor's value, .item() or .tolist() cannot be traced. Rewrite that line with tensor "
@@ -606,7 +615,8 @@ def find_layers(model: nn.Module) -> list[str]:
     attributes)."""
     groups: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
-    for name, mod in model.named_modules():
+    mods = dict(model.named_modules())
+    for name, mod in mods.items():
         if not name or not any(True for _ in mod.parameters()):
             continue
         sig = _signature(mod)
@@ -621,7 +631,16 @@ def find_layers(model: nn.Module) -> list[str]:
         key = (sizes[sig] * len(names), -len(names))
         if key > best[:2]:
             best = (*key, names)
-    return best[2]
+    # The same class beside them in their container is a layer too, with other shapes (DeepSeek's
+    # first dense layers before the MoE ones): the layer sequence is the container's.
+    chosen = set(best[2])
+    parents = {n.rpartition(".")[0] for n in chosen}
+    classes = {type(mods[n]).__name__ for n in chosen}
+    if len(parents) == 1:
+        (parent,) = parents
+        chosen |= {n for n, m in mods.items() if n and n.rpartition(".")[0] == parent and type(m).__name__ in classes
+                   and any(True for _ in m.parameters())}
+    return [n for n in mods if n in chosen]
 
 
 @dataclass
@@ -724,7 +743,7 @@ def trace_step(
     shape for everything after them, and have no placeholders for their parameters and buffers.
     ``target_kernels`` prices what the target GPU runs rather than this host (``_TargetKernels``)."""
     layers = find_layers(model)
-    unused = tuple(f"{layer}." for layer in layers[1:]) if first_layers_only else ()
+    unused = tuple(f"{layer}." for layer in _repeats(model, layers)) if first_layers_only else ()
     pnames, params, aliases = [], [], {}
     by_id: dict[int, str] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
@@ -826,16 +845,28 @@ def trace_step(
                      [tuple(x.shape) for x in inputs], out_type, saved=saved)
 
 
+def _repeats(model: nn.Module, layers: list[str]) -> list[str]:
+    """The layers after the first of their kind (class and parameter shapes)."""
+    mods, seen, out = dict(model.named_modules()), set(), []
+    for name in layers:
+        sig = _signature(mods[name])
+        (out.append(name) if sig in seen else seen.add(sig))
+    return out
+
+
 def _pass_on_repeats(model: nn.Module, layers: list[str]) -> list[Callable[[], None]]:
-    """Make every repeated layer but the first return the first one's output (same shapes and
-    types), so a trace holds one layer; returns what undoes it."""
-    if len(layers) < 2:
+    """Make every layer after the first of its kind return the output of the last layer that
+    ran (same shapes and types), so a trace holds one layer of each kind; returns what undoes it."""
+    repeats = _repeats(model, layers)
+    if not repeats:
         return []
     mods = dict(model.named_modules())
     last: dict = {}
-    hook = mods[layers[0]].register_forward_hook(lambda mod, args, out: last.__setitem__("out", out))
-    undo: list[Callable[[], None]] = [hook.remove]
-    for name in layers[1:]:
+    undo: list[Callable[[], None]] = []
+    for name in layers:
+        if name not in repeats:
+            undo.append(mods[name].register_forward_hook(lambda mod, args, out: last.__setitem__("out", out)).remove)
+    for name in repeats:
         m = mods[name]
         own = m.__dict__.get("forward")  # an instance-level forward of the user's (a hook's patch)
         m.forward = lambda *a, **k: last["out"]

@@ -11,12 +11,20 @@ import sys
 
 from autopar import __version__
 from autopar.errors import AutoparError
+from autopar.plan import ESTIMATE_ONLY, PIN_KEYS
+
+
+def _hardware_names() -> list[str]:
+    from autopar.cost_models.hardware import ALIASES, builtin_names
+
+    return sorted({*builtin_names(), *ALIASES})
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="preset (llama3-8b, gpt-175b, ...), HuggingFace config.json, or package.module:factory")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--hardware", default="h100", help="built-in profile name or a JSON profile file")
+    p.add_argument("--hardware", default="h100", help="a built-in profile (" + ", ".join(_hardware_names())
+                   + ") or a JSON profile file")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 4M tokens)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -33,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("explain", help="plan a model and explain the plan")
     _common(ex)
-    ex.add_argument("--pin", default=None, help="fix part of the plan: tp=8,pp=4,ac=full,...")
+    ex.add_argument("--pin", default=None, help="fix part of the plan, e.g. tp=8,pp=4,ac=full; keys: "
+                    + ", ".join(sorted(PIN_KEYS - set(ESTIMATE_ONLY))))
     ex.add_argument("--top", type=int, default=3, help="runners-up to show")
     ex.add_argument("-o", "--output", default=None, help="save the plan JSON here")
     ex.add_argument("--graph", action="store_true", help="also print the first layer's rewritten graph with provenance")
@@ -46,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     es = sub.add_parser("estimate", help="price a plan you give (a hand-written configuration)")
     _common(es)
     es.add_argument("--plan", required=True, help='e.g. "tp=8,pp=8,dp=1,sp=1,fsdp=0,mb=2,ac=full,schedule=interleaved,v=4"; '
-                    "how another framework ran its collectives: once=reduce|gather (FSDP under PP), "
-                    "unit=tensor (one FSDP gather per tensor), dp_overlap=0 (gradient all-reduce after the backward)")
+                    "keys: " + ", ".join(sorted(PIN_KEYS)) + "; how another framework ran: once=reduce|gather "
+                    "(FSDP under PP), unit=tensor (one FSDP gather per tensor), dp_overlap=0 (gradient all-reduce "
+                    "after the backward), cp=N (context parallelism: each sequence over N ranks)")
     es.add_argument("-o", "--output", default=None, help="save the plan JSON here")
 
     sh = sub.add_parser("show", help="explain a saved plan JSON without searching again")

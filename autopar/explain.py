@@ -117,9 +117,9 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
         t = Table(title=f"tensor-parallel sharding (TP {p.tp}" + (" + SP)" if p.sp else ")"))
         for c in ("scope", "module", "style"):
             t.add_column(c)
-        for r in p.shard_rules:
-            if r.style != "sequence" or p.sp:
-                t.add_row(r.scope, r.module, r.style)
+        for scope, module, style in _collapse_numbered([(r.scope, r.module, r.style) for r in p.shard_rules
+                                                        if r.style != "sequence" or p.sp]):
+            t.add_row(scope, module, style)
         con.print(t)
 
     t = Table(title="step time breakdown")
@@ -170,6 +170,25 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
             con.print(f"      {r['step_time_s']:.3f} s/step, MFU {r['mfu'] * 100:.1f}%, "
                       f"{r['memory_gb_per_gpu']:.1f} GiB/GPU: {r['why_lost']}")
     return buf.getvalue()
+
+
+def _collapse_numbered(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Rows that differ only in a module index (``mlp.experts.7.up_proj``) as one row
+    (``mlp.experts.0..255.up_proj``), in the order of their first."""
+    import re
+
+    groups: dict = {}
+    for scope, module, style in rows:
+        key = (scope, re.sub(r"\.\d+(?=\.|$)", ".#", module), style)
+        groups.setdefault(key, []).append(module)
+    out = []
+    for (scope, pattern, style), modules in groups.items():
+        if len(modules) == 1:
+            out.append((scope, modules[0], style))
+            continue
+        idx = [int(re.findall(r"\.(\d+)(?=\.|$)", m)[0]) for m in modules]
+        out.append((scope, pattern.replace("#", f"{min(idx)}..{max(idx)}", 1) + f" ({len(modules)})", style))
+    return out
 
 
 def _bytes(n: float) -> str:

@@ -16,6 +16,14 @@ from autopar.errors import AutoparError, PlanMismatchError
 
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# What a plan can be pinned to (``--pin``, ``estimate --plan``, ``autopar.compile(plan=...)``).
+PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
+            "dp_overlap", "cp", "prefetch"}
+# How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
+ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
+                 "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
+                 "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward",
+                 "cp": "autopar's executor does not split a sequence over ranks (context parallelism)"}
 
 
 def stage_rank(stage: int, pp: int, schedule: str) -> int:
@@ -23,6 +31,17 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
     for ``zbv`` (odd chunks run on the ranks in reverse)."""
     chunk, r = divmod(stage, pp)
     return pp - 1 - r if schedule == "zbv" and chunk % 2 else r
+
+
+def _short(v) -> str:
+    """A field's value for a diff line: numbers at four significant digits, long lists by length."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)) and (len(v) > 6 or any(isinstance(x, (dict, list, tuple)) for x in v)):
+        return f"{len(v)} entries"
+    if isinstance(v, dict) and len(v) > 6:
+        return f"{len(v)} keys"
+    return repr(v) if isinstance(v, str) else str(v)
 
 
 @dataclass(frozen=True)
@@ -207,22 +226,36 @@ class Plan:
             )
 
     def diff(self, other: "Plan") -> list[str]:
-        """Human-readable differences, field by field."""
+        """Human-readable differences, field by field: another model first, runs of layers
+        collapsed, numbers at four significant digits, long fields by their length."""
         a, b = self.to_dict(), other.to_dict()
         out = []
+        if self.model_fingerprint != other.model_fingerprint:
+            out.append(f"different models: {self.model_name} -> {other.model_name} (fingerprint "
+                       f"{self.model_fingerprint} -> {other.model_fingerprint}): one plan cannot run the other's model")
         for k in sorted(set(a) | set(b)):
-            if k in ("layers", "predicted", "collectives", "runners_up"):
+            if k in ("layers", "predicted", "collectives", "runners_up", "model_fingerprint", "model_name"):
                 continue
             if a.get(k) != b.get(k):
-                out.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
+                out.append(f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}")
         la, lb = self.layers, other.layers
-        changed = [f"{x.fqn}: {x.stage}/{x.chunk}/{x.ac} -> {y.stage}/{y.chunk}/{y.ac}"
-                   for x, y in zip(la, lb) if x != y]
         if len(la) != len(lb):
             out.append(f"layers: {len(la)} -> {len(lb)}")
-        out += changed
+        # Consecutive layers with the same change, as one line.
+        runs: list[list] = []
+        for x, y in zip(la, lb):
+            if x == y:
+                continue
+            change = (f"{x.stage}/{x.chunk}/{x.ac}", f"{y.stage}/{y.chunk}/{y.ac}")
+            if runs and runs[-1][2] == change and runs[-1][1] is not None:
+                runs[-1][1] = y.fqn
+            else:
+                runs.append([x.fqn, x.fqn, change])
+        for first, last, (was, now) in runs:
+            span = first if first == last else f"{first} .. {last.rsplit('.', 1)[-1]}"
+            out.append(f"{span} (stage/chunk/AC): {was} -> {now}")
         pa, pb = self.predicted, other.predicted
         for k in ("step_time_s", "tokens_per_s_per_gpu", "mfu", "memory_gb_per_gpu"):
             if pa.get(k) != pb.get(k):
-                out.append(f"predicted {k}: {pa.get(k):.4g} -> {pb.get(k):.4g}")
+                out.append(f"predicted {k}: {_short(pa.get(k))} -> {_short(pb.get(k))}")
         return out

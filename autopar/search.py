@@ -53,16 +53,10 @@ from autopar.cost_models.step import (
     valid_tp_degrees,
 )
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.plan import ESTIMATE_ONLY, PIN_KEYS
 
 log = logging.getLogger(__name__)
 
-PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
-            "dp_overlap", "cp", "prefetch"}
-# How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
-ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
-                 "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
-                 "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward",
-                 "cp": "autopar's executor does not split a sequence over ranks (context parallelism)"}
 
 
 @dataclass

@@ -26,7 +26,7 @@ def _qwen2_moe(top_k: int) -> nn.Module:
 
 def _matmul_flops(model: nn.Module) -> float:
     prof = api.profile_model(model, seq_len=32).profile
-    b = prof.blocks[0]
+    b = prof.blocks[-1]  # the routed-expert layers (DeepSeek's first layers are dense: a block kind of their own)
     return float(b.costs.flops[b.costs.kind == KIND_MATMUL].sum())
 
 

@@ -46,6 +46,13 @@ def test_diff_names_changes(tiny_plan):
     other = api.plan("llama-tiny", 4, hardware="cpu", global_batch=8, precision="fp32", pin="tp=2")
     lines = tiny_plan.diff(other)
     assert any(l.startswith("tp:") for l in lines) or tiny_plan.tp == 2
+    # Another model is said first; runs of layers collapse; numbers are short.
+    gpt = api.plan("gpt-tiny", 4, hardware="cpu", global_batch=8, precision="fp32", pin="ac=full")
+    lines = tiny_plan.diff(gpt)
+    assert lines[0].startswith("different models: llama-tiny -> gpt-tiny")
+    assert not any("e-" in l or len(l) > 200 for l in lines), lines
+    layer_lines = [l for l in lines if "(stage/chunk/AC)" in l]
+    assert len(layer_lines) <= len({l.ac for l in tiny_plan.layers}) * 2
 
 
 def run_cli(*args):
@@ -98,6 +105,14 @@ def test_explain_fits_the_terminal_and_runners_up_paste_back(capsys, monkeypatch
     for config in runners:  # whole, and accepted by --pin as it stands
         assert cli.main(["estimate", "llama3-8b", "--gpus", "64", "--plan", config, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["plan"]
+
+
+def test_help_lists_hardware_and_pin_keys(capsys):
+    for cmd, keys in (("explain", ("prefetch", "schedule")), ("estimate", ("cp", "once", "dp_overlap"))):
+        with pytest.raises(SystemExit):
+            cli.main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "h100-sxm" in out and "a100-80gb" in out and all(f"{k}," in out or f"{k};" in out for k in keys)
 
 
 def test_plan_json_is_deterministic_across_processes(tmp_path):
