@@ -19,6 +19,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12 -m "not matrix"
 
+# Errors, likely bugs and import order (ruff, configured in pyproject.toml); CI runs it first.
+lint: $(VENV)/.installed
+	$(PY) -m ruff check autopar tests bench
+
 # Every model family's parity case (tests/test_parity.py, marker "matrix"): CI runs it after `make test`.
 test-matrix: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12 -m matrix
@@ -44,4 +48,4 @@ bench: $(VENV)/.bench-deps
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench.run_all --quick
 
-.PHONY: install demo test test-matrix profiles parity bench bench-deps bench-quick
+.PHONY: install demo test test-matrix lint profiles parity bench bench-deps bench-quick

@@ -27,7 +27,7 @@ __all__ = [*_LAZY, "plan", "__version__"]
 # ``autopar.plan`` is both a submodule (the Plan data object) and the planning function. The
 # submodule is light: import it now, so that importing it later cannot rebind the name, and bind
 # the function over it.
-import autopar.plan as _plan_module  # noqa: E402
+import autopar.plan as _plan_module  # noqa: E402, F401
 
 
 def plan(*args, **kwargs):

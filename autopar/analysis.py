@@ -35,9 +35,13 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    import sympy
 
 from autopar.capture import VIEW_OPS, BlockTrace, ModelTrace, op_flops, op_name, tensor_bytes
 
@@ -77,7 +81,7 @@ class NodeCosts:
     causal: np.ndarray  # bool: attention kernel with a causal mask
     recompute_selective: np.ndarray  # bool: recomputed under selective AC
 
-    def subset(self, mask: np.ndarray) -> "NodeCosts":
+    def subset(self, mask: np.ndarray) -> NodeCosts:
         """The nodes where ``mask`` is true."""
         idx = np.flatnonzero(mask)
         return NodeCosts([self.names[i] for i in idx], *(getattr(self, f)[idx] for f in (
@@ -218,7 +222,7 @@ class ModelProfile:
         fwd += self.pre.costs.flops.sum() + self.post.costs.flops.sum()
         return 3.0 * fwd / self.seq_len
 
-    def flops_expr(self) -> "sympy.Expr":
+    def flops_expr(self) -> sympy.Expr:
         """Forward FLOPs of the model as a polynomial in batch ``b`` (the sequence is fixed)."""
         import sympy
 

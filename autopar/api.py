@@ -14,16 +14,26 @@ import os
 import pickle
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from autopar import analysis, capture, models, search as search_mod
-from autopar.cost_models.hardware import Hardware, load as load_hardware
+from autopar import analysis, capture, models
+from autopar import search as search_mod
+from autopar.cost_models.hardware import Hardware
+from autopar.cost_models.hardware import load as load_hardware
 from autopar.cost_models.step import (
-    AC_MODES, ZERO_BUBBLE, Config, CostContext, Estimate, StageModel, uniform_assignment, validate_config,
+    AC_MODES,
+    ZERO_BUBBLE,
+    Config,
+    CostContext,
+    Estimate,
+    StageModel,
+    uniform_assignment,
+    validate_config,
 )
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import LayerPlan, Plan, ShardRule, stage_rank
@@ -410,7 +420,7 @@ def shard_rules(m: analysis.ModelProfile) -> tuple[ShardRule, ...]:
             style = "replicate"
         if not any(r.scope == "outside" and r.module == mod for r in rules):
             rules.append(ShardRule("outside", mod, style))
-    for a, b_ in m.tied:  # a tied head shares the embedding's weight: it follows the embedding
+    for _a, b_ in m.tied:  # a tied head shares the embedding's weight: it follows the embedding
         mod = b_.rsplit(".", 1)[0]
         if m.module_types.get(mod) == "Linear":
             rules.append(ShardRule("outside", mod, "replicate"))
@@ -667,7 +677,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
         sinfo = {"inputs": inputs}
         runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
                                         disabled=disabled, info=sinfo))
-        for k, v in sinfo["collectives"].items():
+        for v in sinfo["collectives"].values():
             info.setdefault("collectives", {})[f"stage {s}"] = v
         info.setdefault("notes", {}).update(sinfo["notes"])
         info.setdefault("timings", {}).update({f"stage {s} {k}": v for k, v in sinfo["timings"].items()})

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition

@@ -154,7 +154,7 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
             first.setdefault(k, order[n])
     starts: dict = {}
     frees: dict = {}
-    for k, b in size.items():
+    for k in size:
         if kind[k] == "input" and not count_inputs:
             continue
         s = 0 if kind[k] == "input" else first[k]

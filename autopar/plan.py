@@ -161,7 +161,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
+    def from_dict(cls, d: dict) -> Plan:
         version = d.get("version")
         if version is None and ("architectures" in d or "model_type" in d or "hidden_size" in d):
             raise AutoparError("this is a model config, not a plan: plan it with "
@@ -187,7 +187,7 @@ class Plan:
             raise AutoparError(f"plan JSON is missing or has unknown fields: {e}") from e
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -201,7 +201,7 @@ class Plan:
             f.write(self.to_json())
 
     @classmethod
-    def load(cls, path: str) -> "Plan":
+    def load(cls, path: str) -> Plan:
         try:
             with open(path) as f:
                 text = f.read()
@@ -225,7 +225,7 @@ class Plan:
                 f"but the mesh has {world_size}; plan again for {world_size}"
             )
 
-    def diff(self, other: "Plan") -> list[str]:
+    def diff(self, other: Plan) -> list[str]:
         """Human-readable differences, field by field: another model first, runs of layers
         collapsed, numbers at four significant digits, long fields by their length."""
         a, b = self.to_dict(), other.to_dict()

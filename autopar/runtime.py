@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ class FailureWatch:
 
     KEY = "autopar/failure"
     GRACE_S = 5.0  # how long a rank inside a guarded call may take to raise the same error itself
-    _instance: "FailureWatch | None" = None
+    _instance: FailureWatch | None = None
 
     def __init__(self):
         import atexit
@@ -82,7 +82,7 @@ class FailureWatch:
         return f"{self.KEY}/wake/{rank}"
 
     @classmethod
-    def get(cls) -> "FailureWatch | None":
+    def get(cls) -> FailureWatch | None:
         """The process's watch for the current process group, started on first use (None without
         a real multi-rank group)."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -256,7 +256,7 @@ class _RunGraphs(torch.autograd.Function):
     graph; parameter gradients come back as DTensors placed like their parameters."""
 
     @staticmethod
-    def forward(ctx, runner: "StepRunner", *args):
+    def forward(ctx, runner: StepRunner, *args):
         local = [a._local_tensor if hasattr(a, "_local_tensor") else a for a in args]
         t0 = time.perf_counter()
         outs = runner.compiled.fw(local)
@@ -335,7 +335,7 @@ class _WeightGrads:
     runs the compiled W graph on what the input-gradient part carried and accumulates the
     gradients into the parameters, as autograd would have."""
 
-    def __init__(self, runner: "StepRunner", params, metas, carried):
+    def __init__(self, runner: StepRunner, params, metas, carried):
         self.runner, self.params, self.metas, self.carried = runner, params, metas, carried
 
     def __call__(self) -> None:
@@ -378,7 +378,7 @@ class StepRunner:
         self.pending: list[_WeightGrads] = []  # zero-bubble: weight gradients not yet run
         self.busy_s = 0.0  # time inside the compiled graphs (the bench's measured bubble)
 
-    def take_weight_grads(self) -> "_WeightGrads":
+    def take_weight_grads(self) -> _WeightGrads:
         """The pipeline schedule's ``dw_builder``: the W part of the backward just run."""
         return self.pending.pop()
 
@@ -390,7 +390,7 @@ class _StageModule(nn.Module):
     """A pipeline stage as the schedule sees it: the stage graph's runner over the parallel
     module's parameters (registered there, not here)."""
 
-    def __init__(self, pm: "ParallelModule", sg, runner: StepRunner):
+    def __init__(self, pm: ParallelModule, sg, runner: StepRunner):
         super().__init__()
         object.__setattr__(self, "_pm", pm)
         self._sg, self._runner = sg, runner

@@ -43,13 +43,20 @@ import heapq
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from autopar.cost_models.step import (
-    AC_MODES, SCHEDULES, Assignment, Config, CostContext, Estimate, StageModel, divisors,
+    AC_MODES,
+    SCHEDULES,
+    Assignment,
+    Config,
+    CostContext,
+    Estimate,
+    StageModel,
+    divisors,
     valid_tp_degrees,
 )
 from autopar.errors import AutoparError, InfeasibleError
@@ -544,7 +551,7 @@ def _rounded(sm: StageModel, pins: dict, limit: float, frac: list[float]) -> tup
     return sm.step_time(out), Assignment(tuple(counts), tuple(acs))
 
 
-def _schedules_of(winner: "Candidate", cands: list, pins: dict, limit: float, cache: dict) -> list[Estimate]:
+def _schedules_of(winner: Candidate, cands: list, pins: dict, limit: float, cache: dict) -> list[Estimate]:
     """Under PP: every (schedule, v) the winner's mesh, SP, FSDP and microbatching can run, each
     at its best assignment found, so ``explain`` can say why the chosen schedule won (priced here
     where the search stopped before them or skipped them as dominated)."""

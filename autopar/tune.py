@@ -31,14 +31,15 @@ import os
 import sqlite3
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.hardware import Hardware, load as load_hardware
+from autopar.cost_models.hardware import Hardware
+from autopar.cost_models.hardware import load as load_hardware
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -115,7 +116,11 @@ def _dtensor_overhead(group, device, sync, reps: int) -> tuple[float, float]:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
     g = mesh.size()
@@ -393,7 +398,8 @@ def calibrate_model(profile: dict | str | Hardware, model_factory: Callable, exa
     Microbenchmarks pin the machine's peaks; this fits what the model's shapes achieve of them
     (skinny matmuls, fresh activation memory). An efficiency stops at 1 (4 for memory, which is
     relative to the measured bandwidth curve)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from autopar import api
     from autopar.analysis import KIND_ATTN, KIND_MATMUL, KIND_OTHER, MATMUL_OPS
@@ -719,8 +725,9 @@ def launch(nproc: int, backend: str, fn, *args):
 
 def _calibrate_rank(base: str, max_bytes, reps: int, model_spec: str | None = None, batch: int = 1,
                     seq_len: int | None = None):
-    from rich.progress import Progress
     import sys
+
+    from rich.progress import Progress
 
     if dist.get_rank() == 0 and sys.stderr.isatty():
         with Progress(transient=True) as prog:

@@ -34,7 +34,8 @@ import numpy as np
 from scipy.optimize import minimize
 
 from autopar import api, models
-from autopar.cost_models.hardware import DEFAULT_EFFICIENCY, load as load_hardware
+from autopar.cost_models.hardware import DEFAULT_EFFICIENCY
+from autopar.cost_models.hardware import load as load_hardware
 from autopar.cost_models.step import Config, CostContext, StageModel, uniform_assignment
 from bench.common import RESULTS, write
 
@@ -72,7 +73,7 @@ def source_key(source: str) -> str:
     return source.split(",")[0][:24]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def profiled(model_key: tuple, seq: int):
     kind = model_key[0]
     if kind == "preset":

@@ -11,7 +11,15 @@ import os
 import subprocess
 import sys
 
-from bench import compile_time, memory, planning_time, process_time, reference_runs, step_ratio, tune_cpu
+from bench import (
+    compile_time,
+    memory,
+    planning_time,
+    process_time,
+    reference_runs,
+    step_ratio,
+    tune_cpu,
+)
 from bench.common import RESULTS
 
 

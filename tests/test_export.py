@@ -2,9 +2,9 @@
 checked field by field against the plan's layout."""
 
 import re
-import tomllib
 
 import pytest
+import tomllib
 
 from autopar import api, cli
 from autopar.export import export

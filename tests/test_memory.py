@@ -134,9 +134,9 @@ def test_liveness_counts_views_and_waits_once(fake_group):
 def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
     """explain --graph reads the plan's depth off 2- and 3-layer walks: at 4 layers that line
     must give what the walk of the 4-layer graphs gives."""
-    from autopar import inspect_graph, models
-
     import dataclasses
+
+    from autopar import inspect_graph, models
 
     cfg = dataclasses.replace(models.PRESETS["llama-tiny"], n_layers=4)
 

@@ -241,10 +241,10 @@ def test_progress_bar_only_on_a_terminal_and_long_searches(monkeypatch):
 
 
 def test_estimate_of_a_plan_that_does_not_fit_says_so_and_exits_1():
-    from autopar import cli
-
-    import io
     import contextlib
+    import io
+
+    from autopar import cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -85,7 +85,7 @@ class Hardware:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def with_efficiency(self, **kw) -> "Hardware":
+    def with_efficiency(self, **kw) -> Hardware:
         return dataclasses.replace(self, efficiency={**self.efficiency, **kw})
 
 

@@ -275,7 +275,7 @@ class StageModel:
         return self._cache[key]
 
     def _layer(self, b: BlockProfile) -> LayerCoeffs:
-        ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
+        ctx, cfg = self.ctx, self.cfg
         tp, mb, sp = cfg.tp, self.tokens, cfg.sp
         ct = self._times(b.costs, mb, tp, sp, ctx.fp8)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
@@ -358,7 +358,7 @@ class StageModel:
         """FSDP per layer: all-gather and reduce-scatter seconds (HSDP adds the replica all-reduce
         to the latter), and the processor time of all of them per microbatch (``collective_transfer``;
         with ``fsdp_once="gather"`` they run once per step)."""
-        cfg, ctx, hw = self.cfg, self.ctx, self.ctx.hw
+        cfg, ctx = self.cfg, self.ctx
         if cfg.shard <= 1:
             return 0.0, 0.0, 0.0
         reshard = reshard and cfg.fsdp_once != "gather"
@@ -441,7 +441,7 @@ class StageModel:
             self.pp_runtime = hw.pp_microbatch_us * 1e-6 * cfg.v
 
     def _outer_segment(self, name: str, prof, tied_vocab: float, tied_rep: float) -> dict:
-        ctx, cfg, hw = self.ctx, self.cfg, self.ctx.hw
+        ctx, cfg = self.ctx, self.cfg
         tp, mb = cfg.tp, self.tokens
         ct = self._times(prof.costs, mb, tp, cfg.sp, False)
         p_local = prof.params_vocab / tp + prof.params_rep
@@ -625,7 +625,7 @@ class StageModel:
         return self._balanced
 
     def dp_exposed(self) -> float:
-        cfg, hw = self.cfg, self.ctx.hw
+        cfg = self.cfg
         if cfg.dp * cfg.cp == 1 or cfg.fsdp:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
@@ -691,7 +691,7 @@ class StageModel:
                 if count:
                     out.append({"kind": kind, "group": "tp", "group_size": cfg.tp, "bytes": nbytes,
                                 "count": count, "why": why})
-            for name, on in (("pre", True), ("post", True)):
+            for name in ("pre", "post"):
                 for kind, nbytes, nf, nb, why in tp_outer_collectives(name, cfg, ctx):
                     if nf + nb:
                         out.append({"kind": kind, "group": "tp", "group_size": cfg.tp, "bytes": nbytes,

@@ -273,7 +273,7 @@ def output_values(sg) -> list:
     return [a.meta["val"] for a in args]
 
 
-def distribute(gm: torch.fx.GraphModule, plan, ctx: "passes.PassContext") -> torch.fx.GraphModule:
+def distribute(gm: torch.fx.GraphModule, plan, ctx: passes.PassContext) -> torch.fx.GraphModule:
     """Pass entry: ``gm`` is the single-device step graph; ``ctx.step`` carries its StepGraph,
     the Layout, the TP rules and the example primals."""
     s = ctx.step

@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+from torch.distributed.tensor._ops.utils import (
+    expand_to_full_mesh_op_strategy,
+    register_op_strategy,
+)
 
 _aten = torch.ops.aten
 

@@ -1,6 +1,5 @@
 """Every rank asks autopar.compile for a plan with an unknown pin: each must raise its own
 AutoparError (caught here), none be stopped as if waiting for another rank. Prints CAUGHT or exits."""
-import os
 import sys
 
 import torch
