@@ -183,6 +183,7 @@ def _collapse_numbered(rows: list[tuple[str, str, str]]) -> list[tuple[str, str,
         groups.setdefault(key, []).append(module)
     out = []
     for (scope, pattern, style), modules in groups.items():
+        modules = list(dict.fromkeys(modules))  # a rule listed twice is one row
         if len(modules) == 1:
             out.append((scope, modules[0], style))
             continue

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from autopar import api, cli
 from autopar.errors import AutoparError, PlanMismatchError
@@ -92,6 +93,25 @@ def test_version_and_text_output(capsys):
     out = capsys.readouterr().out
     for section in ("mesh:", "layers", "step time breakdown", "memory per GPU", "collectives inserted"):
         assert section in out
+
+
+def test_layers_of_another_shape_are_planned_and_numbered_modules_collapse():
+    """DeepSeek's first layers are dense, the rest routed experts: every layer is in the plan (a
+    stage and an AC mode each), and the TP table lists each expert projection once."""
+    from autopar.explain import render
+    from tests import zoo
+
+    model = zoo.build("hf-deepseek-v2")  # 3 layers, the first dense, 4 routed experts
+    p = api.plan(model, 4, example_inputs=(torch.zeros((4, 16), dtype=torch.long),), hardware="cpu",
+                 precision="fp32", global_batch=4, pin="tp=2")
+    assert [l.fqn for l in p.layers] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    text = render(p, width=200)
+    assert "mlp.experts.0..3.gate_proj (4)" in text and "mlp.experts.1.gate_proj" not in text
+
+
+def test_a_raised_default_batch_is_noted(capsys):
+    assert cli.main(["explain", "llama3-8b", "--gpus", "100000", "--top", "0"]) == 0
+    assert "note: global batch 12,500 sequences (102M tokens): the default 4M tokens raised" in capsys.readouterr().out
 
 
 def test_explain_fits_the_terminal_and_runners_up_paste_back(capsys, monkeypatch):
