@@ -110,8 +110,6 @@ def profile_model(
     return Profiled(prof, name, time.perf_counter() - t0, notes)
 
 
-def _cache_dir() -> str:
-    return os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "autopar")
 
 
 def _profile_key(model: Any, batch: int, seq_len: int, dtype: torch.dtype) -> str | None:
@@ -133,7 +131,7 @@ def _profile_cache_get(key: str | None) -> analysis.ModelProfile | None:
     ship with the package (made by the same code, torch and shapes, since all are in the key)."""
     if key is None:
         return None
-    path = os.path.join(_cache_dir(), "profiles", key + ".pkl")
+    path = os.path.join(models.cache_dir(), "profiles", key + ".pkl")
     try:
         with open(path, "rb") as f:
             prof = pickle.load(f)
@@ -190,7 +188,7 @@ def _profile_cache_put(key: str | None, prof: analysis.ModelProfile) -> None:
     """Keep the profile for the next process (written atomically; a read-only home is not an error)."""
     if key is None:
         return
-    d = os.path.join(_cache_dir(), "profiles")
+    d = os.path.join(models.cache_dir(), "profiles")
     try:
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")

@@ -318,11 +318,16 @@ def _shape_fields(path: str, raw: dict, cfg) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def cache_dir() -> str:
+    """autopar's cache: profiles of presets and configs, what a config file was found to be."""
+    return os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "autopar")
+
+
 def _hf_source(path: str) -> ModelSource:
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover - transformers is a dependency
-        raise AutoparError(f"reading {path} needs the 'transformers' package: {e}") from e
+    """A HuggingFace config file as a model source. What transformers makes of the file (checked
+    once: family, defaults, length, attention kernel) is cached by its contents, transformers'
+    version and this module's source, so planning a config seen before does not import
+    transformers (seconds) until a model has to be built."""
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -334,6 +339,67 @@ def _hf_source(path: str) -> ModelSource:
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise AutoparError(f"{path} has no 'model_type': give the config.json of a HuggingFace model "
                            "(it names its family, e.g. \"model_type\": \"llama\")")
+    import hashlib
+    from importlib import metadata
+
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError as e:  # pragma: no cover - transformers is a dependency
+        raise AutoparError(f"reading {path} needs the 'transformers' package") from e
+    h = hashlib.sha256(json.dumps([raw, os.path.basename(path), version], sort_keys=True, default=str).encode())
+    with open(__file__, "rb") as f:  # the checks below are this module's: a change to it checks again
+        h.update(f.read())
+    key = h.hexdigest()[:32]
+    cached = os.path.join(cache_dir(), "configs", key + ".json")
+    meta = None
+    if os.path.exists(cached):
+        try:
+            with open(cached) as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            meta = None
+    if meta is None:
+        meta = _hf_meta(path, raw)
+        try:
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            with open(cached + ".tmp", "w") as f:
+                json.dump(meta, f)
+            os.replace(cached + ".tmp", cached)
+        except OSError:
+            pass  # a read-only home: checked again next time
+    attn = meta["attn"]
+
+    def build() -> nn.Module:
+        import transformers
+
+        cfg = transformers.AutoConfig.for_model(**raw)
+        if hasattr(cfg, "use_cache"):
+            cfg.use_cache = False
+        cfg._attn_implementation = attn
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+
+    # The model's own name where the config has one (a hub id), else the file's: its directory
+    # for a config.json, the file name for any other.
+    stem = os.path.splitext(os.path.basename(path))[0]
+    where = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
+    name = str(raw.get("_name_or_path") or "") or where or meta["model_type"]
+    return ModelSource(
+        name=f"hf:{meta['model_type']}:{name}",
+        build=build,
+        seq_len=meta["seq_len"],
+        vocab_size=meta["vocab_size"],
+        hf=True,
+        spec={"kind": "hf", "config": raw},
+        notes=tuple(meta["notes"]),
+    )
+
+
+def _hf_meta(path: str, raw: dict) -> dict:
+    """What transformers makes of a config (the checks that refuse a bad one included)."""
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise AutoparError(f"reading {path} needs the 'transformers' package: {e}") from e
     known = transformers.CONFIG_MAPPING
     if raw["model_type"] not in known:
         import difflib
@@ -350,32 +416,13 @@ def _hf_source(path: str) -> ModelSource:
     except (ValueError, KeyError, TypeError) as e:
         raise AutoparError(f"{path} is not a valid {raw['model_type']} config: {e}") from e
     notes = _shape_fields(path, raw, cfg)
-    if hasattr(cfg, "use_cache"):
-        cfg.use_cache = False
     # SDPA (the fused kernel) where transformers has it for the family; GPT-J and BLOOM have only
     # their eager attention, which is what their users run.
     cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
     attn = "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
-    cfg._attn_implementation = attn
-
-    def build() -> nn.Module:
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
-
     seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    # The model's own name where the config has one (a hub id), else the file's: its directory
-    # for a config.json, the file name for any other.
-    stem = os.path.splitext(os.path.basename(path))[0]
-    where = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
-    name = str(raw.get("_name_or_path") or "") or where or cfg.model_type
-    return ModelSource(
-        name=f"hf:{cfg.model_type}:{name}",
-        build=build,
-        seq_len=seq,
-        vocab_size=cfg.vocab_size,
-        hf=True,
-        spec={"kind": "hf", "config": raw},
-        notes=notes,
-    )
+    return {"model_type": cfg.model_type, "seq_len": seq, "vocab_size": cfg.vocab_size, "attn": attn,
+            "notes": list(notes)}
 
 
 DEFAULT_SEQ_LEN = 4096

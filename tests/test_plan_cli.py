@@ -283,3 +283,21 @@ def test_arguments_are_checked_before_the_model_loads():
                  ["explain", "llama3-8b", "--gpus", "8", "-o", "/nonexistent/dir/plan.json"]):
         r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stdout.strip() == "False", (argv, r.stdout, r.stderr)
+
+
+def test_a_config_seen_before_is_planned_without_importing_transformers(tmp_path):
+    """What transformers makes of a config file is cached: the second plan of it imports no
+    transformers (seconds of start-up), and plans the same."""
+    cfg = tmp_path / "m" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 1024, "max_position_embeddings": 2048}))
+    env = {**os.environ, "AUTOPAR_CACHE_DIR": str(tmp_path / "cache")}
+    code = ("import sys, json; from autopar import cli; rc = cli.main(['explain', sys.argv[1], '--gpus', '8', '--json']); "
+            "print('TRANSFORMERS', 'transformers' in sys.modules, file=sys.stderr); sys.exit(rc)")
+    runs = [subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, env=env,
+                           timeout=300) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
+    assert "TRANSFORMERS True" in runs[0].stderr and "TRANSFORMERS False" in runs[1].stderr
+    assert json.loads(runs[0].stdout)["plan"] == json.loads(runs[1].stdout)["plan"]
