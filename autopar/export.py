@@ -14,11 +14,9 @@ from __future__ import annotations
 from collections import Counter
 
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan import SCHEDULE_NAMES, Plan
 
 TARGETS = ("torchtitan", "megatron")
-_TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
-                    "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -48,7 +46,7 @@ def _torchtitan(plan: Plan) -> str:
     if plan.tp > 1 and not plan.sp:
         raise AutoparError("torchtitan's tensor parallelism always shards the sequence (SP): this plan has "
                            "tp > 1 with sp=0; pin sp=1 and plan again to export it")
-    if plan.pp > 1 and plan.schedule not in _TITAN_SCHEDULES:
+    if plan.pp > 1 and plan.schedule not in SCHEDULE_NAMES:
         raise AutoparError(f"torchtitan has no pipeline schedule {plan.schedule!r}")
     mode, notes = _ac(plan)
     replicate = plan.dp // plan.dp_shard if plan.fsdp else plan.dp
@@ -73,7 +71,7 @@ def _torchtitan(plan: Plan) -> str:
         f"pipeline_parallel_degree = {plan.pp}",
     ]
     if plan.pp > 1:
-        lines += [f'pipeline_parallel_schedule = "{_TITAN_SCHEDULES[plan.schedule]}"',
+        lines += [f'pipeline_parallel_schedule = "{SCHEDULE_NAMES[plan.schedule]}"',
                   f"pipeline_parallel_microbatch_size = {plan.mb}",
                   f"pipeline_parallel_layers_per_stage = {_layers_per_stage(plan)}"]
     lines += ["", "[activation_checkpoint]", f'mode = "{mode}"']

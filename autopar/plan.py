@@ -16,6 +16,9 @@ from autopar.errors import AutoparError, PlanMismatchError
 
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# Each pipeline schedule's name in torch.distributed.pipelining (and torchtitan's configuration).
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
+                  "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 # What a plan can be pinned to (``--pin``, ``estimate --plan``, ``autopar.compile(plan=...)``).
 PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
             "dp_overlap", "cp", "prefetch"}

@@ -16,10 +16,8 @@ Without a pipeline the one rank runs its microbatches' forward and backward in t
 from __future__ import annotations
 
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan import SCHEDULE_NAMES, Plan
 
-_TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
-                "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}
 
@@ -37,7 +35,7 @@ def actions(plan: Plan) -> list[list[tuple[str, int, int]]]:
         return [[a for m in range(M) for a in (("F", 0, m), ("B", 0, m))]]
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    ops = get_schedule_ops(_TORCH_NAMES[plan.schedule], plan.pp, M, plan.v)
+    ops = get_schedule_ops(SCHEDULE_NAMES[plan.schedule], plan.pp, M, plan.v)
     out = []
     for rank_ops in ops:
         row = []
