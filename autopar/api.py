@@ -36,7 +36,8 @@ from autopar.cost_models.step import (
     validate_config,
 )
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.plan import LayerPlan, Plan, ShardRule, stage_rank
+from autopar.plan import PRECISIONS, LayerPlan, Plan, ShardRule, stage_rank
+from autopar.plan import precision as precision_of
 
 log = logging.getLogger(__name__)
 DEFAULT_TOKENS_PER_STEP = 1 << 22  # 4M tokens, when the user gives no global batch
@@ -89,9 +90,7 @@ def profile_model(
         batch, seq_len = int(first.shape[0]), int(first.shape[1])
     if not seq_len:
         raise AutoparError(f"the sequence length of {name} is unknown: pass seq_len (--seq-len)")
-    dtype = torch.float32 if precision == "fp32" else (torch.float16 if precision == "fp16" else torch.bfloat16)
-    if isinstance(build, nn.Module):
-        dtype = next(build.parameters()).dtype
+    dtype = getattr(torch, precision_of(precision).compute)  # what the step computes in
     key = _profile_key(model, batch, seq_len, dtype) if example_inputs is None and loss_fn is None else None
     prof = _profile_cache_get(key)
     if prof is None and step is not None:
@@ -200,12 +199,17 @@ def _profile_cache_put(key: str | None, prof: analysis.ModelProfile) -> None:
 
 
 def model_precision(model: Any) -> str:
-    """The precision a plan assumes for a real module: fp32 parameters train in fp32, others bf16."""
+    """The precision a module trains in when no mixed-precision policy is given: its own
+    parameters' (fp32, or bf16 throughout); what is not a module is planned bf16-mixed."""
     if isinstance(model, nn.Module):
         p = next(model.parameters(), None)
         if p is not None and p.dtype == torch.float32:
             return "fp32"
-    return "bf16"
+        if p is not None and p.dtype == torch.bfloat16:
+            return "bf16-true"
+        if p is not None and p.dtype == torch.float16:
+            return "fp16-mixed"  # refused when run: fp16 without loss scaling
+    return "bf16-mixed"
 
 
 def default_global_batch(seq_len: int, world: int = 1) -> int:
@@ -218,8 +222,7 @@ def make_context(
     precision: str = "bf16", memory_limit_gb: float | None = None, compiled: bool = True,
     async_tp: bool = False, fp8: bool = False,
 ) -> CostContext:
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise AutoparError(f"precision {precision!r}: choose bf16, fp16 or fp32")
+    precision = precision_of(precision).name
     if global_batch is None:
         global_batch = default_global_batch(prof.seq_len, world)
     if global_batch < 1:
@@ -497,7 +500,7 @@ def _mesh_world(mesh: Any) -> tuple[int, str]:
 
 
 def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Profiled, *, example_inputs, hardware,
-                  global_batch, memory_limit_gb, loss_fn, device: str) -> Plan:
+                  global_batch, memory_limit_gb, loss_fn, device: str, precision: str) -> Plan:
     """The given Plan checked against this model's fingerprint and the world size, or a new plan
     under the given pins (see ``_plan_argument``)."""
     if isinstance(plan_arg, Plan):
@@ -511,11 +514,75 @@ def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Pro
                 "`autopar estimate`); autopar's pipeline schedules need at least one per stage: use a larger "
                 "global batch or a smaller mb")
         plan_arg.check(model_fingerprint=prof.profile.fingerprint, world_size=world)
+        if plan_arg.precision != precision:
+            raise PlanMismatchError(
+                f"the plan was priced for {plan_arg.precision} ({precision_of(plan_arg.precision).about}) but this "
+                f"run trains {precision} ({precision_of(precision).about}); pass mp_policy={plan_arg.precision!r} "
+                "or plan again for this precision")
         return plan_arg
     hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
     gb = global_batch or int(example_inputs[0].shape[0])
     return plan(model, world, example_inputs=example_inputs, hardware=hw, global_batch=gb, pin=plan_arg or None,
-                memory_limit_gb=memory_limit_gb, precision=model_precision(model), loss_fn=loss_fn, profiled=prof)
+                memory_limit_gb=memory_limit_gb, precision=precision, loss_fn=loss_fn, profiled=prof)
+
+
+@dataclass(frozen=True)
+class RunPrecision:
+    """The precision a compiled module trains in, and the dtypes the executor applies for it."""
+
+    precision: str  # a name in plan.PRECISIONS
+    compute: torch.dtype | None = None  # parameters cast to it where the step reads them (None: not cast)
+    reduce: torch.dtype | None = None  # gradients reduced in it
+    output: torch.dtype | None = None  # the model's floating-point outputs cast to it
+
+    @property
+    def trace_kw(self) -> dict:
+        return {"param_dtype": self.compute, "output_dtype": self.output}
+
+
+def _dtype_name(d: torch.dtype | None) -> str | None:
+    return None if d is None else str(d).removeprefix("torch.")
+
+
+def run_precision(model: nn.Module, mp_policy: Any, plan_arg: Any) -> RunPrecision:
+    """What ``compile`` runs: ``mp_policy`` (a ``MixedPrecisionPolicy`` or a precision name), else
+    the given plan's precision, else the parameters' own dtype. The parameters are never
+    converted: the precision's master dtype must be theirs."""
+    own = next((q.dtype for q in model.parameters() if q.is_floating_point()), torch.float32)
+    output = None
+    if mp_policy is None:
+        given = plan_arg
+        if isinstance(given, str) and given != "auto" and ("=" not in given or os.path.exists(given)):
+            given = Plan.load(given)
+        name = given.precision if isinstance(given, Plan) else model_precision(model)
+    elif isinstance(mp_policy, str):
+        name = mp_policy
+    elif hasattr(mp_policy, "param_dtype") and hasattr(mp_policy, "reduce_dtype"):
+        compute = mp_policy.param_dtype or own
+        reduce = mp_policy.reduce_dtype or compute  # FSDP2: reduced in the compute dtype unless told
+        output = getattr(mp_policy, "output_dtype", None)
+        want = (_dtype_name(own), _dtype_name(compute), _dtype_name(reduce))
+        name = next((p.name for p in PRECISIONS.values() if (p.param, p.compute, p.reduce) == want), None)
+        if name is None:
+            runs = ", ".join(f"{p.name} ({p.about})" for p in PRECISIONS.values() if not p.runs)
+            raise AutoparError(
+                f"mp_policy {mp_policy} on {want[0]} parameters computes in {want[1]} and reduces gradients in "
+                f"{want[2]}, which is none of the precisions autopar plans: {runs}; e.g. "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+    else:
+        raise AutoparError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or a precision name "
+                           f"({', '.join(PRECISIONS)}), got {type(mp_policy).__name__}")
+    prec = precision_of(name)
+    if prec.runs:
+        raise AutoparError(f"precision {prec.name} is priced but not run: {prec.runs}")
+    if prec.param != _dtype_name(own):
+        raise AutoparError(
+            f"precision {prec.name} keeps the parameters in {prec.param}, but the model's are {_dtype_name(own)}; "
+            f"autopar does not convert them: {'call model.float() first' if prec.param == 'float32' else 'convert the model'}"
+            f" or choose a precision whose masters are {_dtype_name(own)}")
+    compute = getattr(torch, prec.compute)
+    return RunPrecision(prec.name, compute if compute != own else None,
+                        getattr(torch, prec.reduce) if compute != own else None, output)
 
 
 @dataclass
@@ -529,7 +596,7 @@ class StepState:
     example: list
 
 
-def _layout(sg, p: Plan, mesh):
+def _layout(sg, p: Plan, mesh, mixed: RunPrecision):
     from autopar.passes.distribute import Layout
     from autopar.passes.fsdp import dp_placements
     from autopar.passes.tp import tp_rules
@@ -541,7 +608,7 @@ def _layout(sg, p: Plan, mesh):
         rules = tp_rules(sg, analysis.step_roles(sg), p.tp, p.sp)
         tp_pl = rules.placements
     dp_pl = dp_placements(shapes, tp_pl, p.dp_shard, p.fsdp)
-    lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp)
+    lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp, compute=mixed.compute, reduce=mixed.reduce)
     if mesh is None:
         return lay, rules
     sizes = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
@@ -628,7 +695,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
 
 
 def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_fn: Callable, name: str, *,
-                      inductor: bool, disabled: set):
+                      inductor: bool, disabled: set, mixed: RunPrecision):
     """Pipeline plans: the forward graph cut into stage graphs (``passes/pp.py``); this rank's
     stages each go through the same passes and backend; parameters of other ranks' stages are
     dropped from the module."""
@@ -638,7 +705,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     from autopar.runtime import ParallelModule
 
     mb_ids = ids[: p.mb]
-    sg = capture.trace_step(model, (mb_ids,), name=name)
+    sg = capture.trace_step(model, (mb_ids,), name=name, **mixed.trace_kw)
     n_stages = p.pp * p.v
     stages = pp_mod.split(sg, pp_mod.layer_stages(sg, p), n_stages)
     shared = pp_mod.shared_params(stages)
@@ -651,7 +718,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
                 owner, _, attr = n.rpartition(".")
                 (model.get_submodule(owner) if owner else model)._parameters[attr] = None
     runners, placements, notes, info = {}, [], [], {"param_names": sorted(keep), "output_type": None}
-    layouts = {s: _layout(stages[s], p, mesh) for s in set(mine) | {s for ss in shared.values() for s in ss}}
+    layouts = {s: _layout(stages[s], p, mesh, mixed) for s in set(mine) | {s for ss in shared.values() for s in ss}}
     for pname, ss in shared.items():
         got = {s: layouts[s][0].placements(stages[s].param_names.index(pname)) for s in ss}
         if len(set(map(str, got.values()))) > 1:
@@ -723,6 +790,7 @@ def compile(
     plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
     memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (),
     tune: bool = False, tune_top: int = 4, tune_steps: int = 2, tune_db: str | None = None,
+    mp_policy: Any = None,
 ):
     """Plan (or take a plan) and apply it: returns a ``ParallelModule`` that trains across ``mesh``.
 
@@ -732,6 +800,9 @@ def compile(
     (``backend``), and wrap it (``runtime.ParallelModule``). ``compile=False`` runs the same
     graphs without Inductor. ``tune=True`` measures the planner's top ``tune_top`` plans for
     ``tune_steps`` real steps on copies of the model and applies the fastest one that fits.
+    ``mp_policy``: mixed precision, a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (FSDP2's
+    meaning) or a precision name (``bf16-mixed``: fp32 masters, bf16 compute and gathers, fp32
+    gradient reduction); by default a given plan's precision, else the parameters' own dtype.
     """
     from autopar.runtime import guarded
 
@@ -739,11 +810,11 @@ def compile(
         return _compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, hardware=hardware,
                         global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
                         disable_passes=disable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
-                        tune_db=tune_db)
+                        tune_db=tune_db, mp_policy=mp_policy)
 
 
 def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_batch, memory_limit_gb, compile,
-             disable_passes, tune, tune_top, tune_steps, tune_db):
+             disable_passes, tune, tune_top, tune_steps, tune_db, mp_policy):
     import copy
 
     import torch.distributed as dist
@@ -770,8 +841,10 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     # One capture: the training step is traced once; the planner analyses this graph and, when the
     # plan runs the whole batch at once, the executor runs it.
     loss_fn = loss_fn or capture.default_loss
-    step = capture.trace_step(model, (ids,), target=torch.zeros_like(ids), loss_fn=loss_fn, name=type(model).__name__)
-    prof = profile_model(model, example_inputs=example_inputs, precision=model_precision(model), loss_fn=loss_fn,
+    mixed = run_precision(model, mp_policy, plan)
+    step = capture.trace_step(model, (ids,), target=torch.zeros_like(ids), loss_fn=loss_fn, name=type(model).__name__,
+                              **mixed.trace_kw)
+    prof = profile_model(model, example_inputs=example_inputs, precision=mixed.precision, loss_fn=loss_fn,
                          step=step)
     tuning = None
     if tune:
@@ -780,7 +853,8 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
         cands = plan_candidates(model, world, k=tune_top, example_inputs=example_inputs, hardware=hw,
                                 global_batch=global_batch or int(ids.shape[0]), memory_limit_gb=memory_limit_gb,
-                                pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn, profiled=prof)
+                                pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn, profiled=prof,
+                                precision=mixed.precision)
         db = tune_mod.MeasurementDB(tune_db) if (not dist.is_initialized() or dist.get_rank() == 0) else None
         tuning = tune_mod.tune_plans(lambda: copy.deepcopy(model), cands, example_inputs,
                                      hardware=load_hardware(hw).name, db=db, steps=tune_steps, loss_fn=loss_fn,
@@ -788,7 +862,8 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         plan = tuning[0]["plan"]
     plan = _plan_argument(plan, from_mesh)
     p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
-                      global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device)
+                      global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device,
+                      precision=mixed.precision)
     if p.seq_len != ids.shape[1]:
         raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
     dmesh = None
@@ -800,14 +875,14 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         model.to(torch.device("cuda", torch.cuda.current_device()))
     if p.pp > 1:
         pm = _compile_pipeline(model, p, dmesh, ids, loss_fn, prof.source_name, inductor=compile,
-                               disabled=set(disable_passes))
+                               disabled=set(disable_passes), mixed=mixed)
         pm.tuning = tuning
         return pm
     mb_ids = ids[: p.mb]
     mb_tgt = torch.zeros_like(mb_ids)
     sg = step if p.mb == ids.shape[0] else capture.trace_step(model, (mb_ids,), target=mb_tgt, loss_fn=loss_fn,
-                                                                name=prof.source_name)
-    lay, rules = _layout(sg, p, dmesh)
+                                                                name=prof.source_name, **mixed.trace_kw)
+    lay, rules = _layout(sg, p, dmesh, mixed)
     from autopar.passes.tp import placement_str
 
     placements = tuple((n, placement_str(lay.tp.get(i)) if i in lay.tp else "R", placement_str(lay.dp[i]))
@@ -822,7 +897,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         """The forward graph for the user's own loop, built at the first call with a shape."""
         from autopar.passes.tp import tp_rules
 
-        fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name)
+        fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
         frules = tp_rules(fsg, analysis.step_roles(fsg), p.tp, p.sp) if p.tp > 1 else None
         finfo = {"inputs": list(inputs)}
         runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model,

@@ -245,7 +245,7 @@ def trace_model(
     target = torch.randint(0, vocab_size, tuple(inputs[0].shape[:2]))
     try:
         sg = trace_step(model, inputs, target=target, loss_fn=loss_fn, name=name, first_layers_only=True,
-                        target_kernels=True)
+                        target_kernels=True, param_dtype=dtype if dtype.is_floating_point else None)
     finally:
         with torch.no_grad():
             for b, v in kept:
@@ -733,6 +733,7 @@ def _mutated_inputs(gm: torch.fx.GraphModule, n_params: int, bnames: list[str]) 
 def trace_step(
     model: nn.Module, inputs: tuple, *, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
     name: str = "model", first_layers_only: bool = False, target_kernels: bool = False,
+    param_dtype: torch.dtype | None = None, output_dtype: torch.dtype | None = None,
 ) -> StepGraph:
     """Trace ``model``'s forward on ``inputs`` (and the loss against ``target`` when given) to one
     ATen graph, on fake tensors: nothing is computed and no memory of the model's size is used.
@@ -741,7 +742,10 @@ def trace_step(
     (``model_trace``). ``first_layers_only`` (planning without running, e.g. 126 layers) traces
     only the first of the repeated layers; the others pass its output on, which has the right
     shape for everything after them, and have no placeholders for their parameters and buffers.
-    ``target_kernels`` prices what the target GPU runs rather than this host (``_TargetKernels``)."""
+    ``target_kernels`` prices what the target GPU runs rather than this host (``_TargetKernels``).
+    ``param_dtype``: the floating-point parameters enter in this dtype (mixed precision: the
+    forward as FSDP2 runs it, on parameters cast to the compute dtype; buffers keep theirs);
+    ``output_dtype``: the model's floating-point outputs are cast to it (FSDP2's ``output_dtype``)."""
     layers = find_layers(model)
     unused = tuple(f"{layer}." for layer in _repeats(model, layers)) if first_layers_only else ()
     pnames, params, aliases = [], [], {}
@@ -772,8 +776,9 @@ def trace_step(
         return mode.from_tensor(t)
 
     with mode:
-        params = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device).requires_grad_(
-            p.requires_grad and p.is_floating_point()) for p in params]
+        params = [torch.empty_strided(p.shape, p.stride(), device=p.device,
+                                      dtype=param_dtype if param_dtype and p.is_floating_point() else p.dtype
+                                      ).requires_grad_(p.requires_grad and p.is_floating_point()) for p in params]
     buffers = [fresh(b) for b in buffers]
     inputs = tuple(fresh(x) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = fresh(target) if target is not None else None
@@ -793,6 +798,8 @@ def trace_step(
             state.update({o: state[first] for o in others})
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, state, tuple(xs), tie_weights=False)
+            if output_dtype is not None:
+                out = _cast_outputs(out, output_dtype)
             if tgt:
                 return (loss_fn or default_loss)(out, tgt[0])
         if not isinstance(out, torch.Tensor):
@@ -843,6 +850,20 @@ def trace_step(
     out_type = box.get("type")
     return StepGraph(gm, pnames, aliases, bnames, len(inputs), target is not None, layers,
                      [tuple(x.shape) for x in inputs], out_type, saved=saved)
+
+
+def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:
+    """The model's output with its floating-point tensors cast to ``dtype`` (a tensor, a tuple or
+    list, or an HF ``ModelOutput``, whose fields are set in place)."""
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    if isinstance(out, torch.Tensor):
+        return cast(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(map(cast, out)) if type(out) in (tuple, list) else out
+    if hasattr(out, "items") and hasattr(out, "__setitem__"):
+        for k, v in list(out.items()):
+            out[k] = cast(v)
+    return out
 
 
 def _repeats(model: nn.Module, layers: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ import sys
 
 from autopar import __version__
 from autopar.errors import AutoparError
-from autopar.plan import ESTIMATE_ONLY, PIN_KEYS
+from autopar.plan import ESTIMATE_ONLY, PIN_KEYS, PRECISION_ALIASES, PRECISIONS
 
 
 def _hardware_names() -> list[str]:
@@ -27,7 +27,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    + ") or a JSON profile file")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 4M tokens)")
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--precision", choices=(*PRECISIONS, *(a for a in PRECISION_ALIASES if a[0].isalpha())),
+                   default="bf16-mixed", metavar="PRECISION",
+                   help="; ".join(f"{p.name}: {p.about}" for p in PRECISIONS.values())
+                   + " (bf16 = bf16-mixed, fp16 = fp16-mixed; default bf16-mixed)")
     p.add_argument("--memory-limit-gb", type=float, default=None, help="per-GPU limit in GiB (default: the profile's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

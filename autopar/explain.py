@@ -11,7 +11,7 @@ from itertools import groupby
 from rich.console import Console
 from rich.table import Table
 
-from autopar.plan import MESH_DIMS, Plan
+from autopar.plan import MESH_DIMS, Plan, precision
 
 BREAKDOWN_LABELS = {
     "compute": "compute (fwd + bwd)",
@@ -82,6 +82,7 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
               f"({p.precision}, global batch {p.global_batch} x {p.seq_len} tokens)")
     for note in p.notes:
         con.print(f"note: {note}")
+    con.print(f"precision: {p.precision} ({precision(p.precision).about})")
     con.print(f"mesh: {mesh}")
     extras = []
     if p.tp > 1:

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections import Counter
 
 from autopar.errors import AutoparError
-from autopar.plan import SCHEDULE_NAMES, Plan
+from autopar.plan import SCHEDULE_NAMES, Plan, precision
 
 TARGETS = ("torchtitan", "megatron")
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def export(plan: Plan, target: str) -> str:
@@ -49,6 +48,8 @@ def _torchtitan(plan: Plan) -> str:
     if plan.pp > 1 and plan.schedule not in SCHEDULE_NAMES:
         raise AutoparError(f"torchtitan has no pipeline schedule {plan.schedule!r}")
     mode, notes = _ac(plan)
+    if precision(plan.precision).param != "float32":
+        notes.append(f"torchtitan keeps fp32 master weights; this plan ({plan.precision}) was priced without them")
     replicate = plan.dp // plan.dp_shard if plan.fsdp else plan.dp
     shard = plan.dp_shard if plan.fsdp else 1
     lines = [f"# autopar plan for {plan.model_name} on {plan.world_size} x {plan.hardware}: "
@@ -61,7 +62,8 @@ def _torchtitan(plan: Plan) -> str:
         f"local_batch_size = {plan.mb * plan.n_microbatches if plan.pp > 1 else plan.mb}",
         f"global_batch_size = {plan.global_batch}",
         f"seq_len = {plan.seq_len}",
-        f'mixed_precision_param = "{_DTYPES.get(plan.precision, "bfloat16")}"',
+        f'mixed_precision_param = "{precision(plan.precision).compute}"',
+        f'mixed_precision_reduce = "{precision(plan.precision).reduce}"',
         "", "[parallelism]",
         f"data_parallel_replicate_degree = {replicate}",
         f"data_parallel_shard_degree = {shard}",
@@ -100,8 +102,8 @@ def _megatron(plan: Plan) -> str:
     args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
             f"--context-parallel-size {_cp(plan)}", f"--micro-batch-size {plan.mb}",
             f"--global-batch-size {plan.global_batch}", f"--seq-length {plan.seq_len}"]
-    if plan.precision != "fp32":  # Megatron-LM's default
-        args.append(f"--{plan.precision}")
+    if plan.precision != "fp32":  # Megatron-LM's default; --bf16/--fp16 keep fp32 master weights
+        args.append(f"--{plan.precision.split('-')[0]}")
     if plan.sp:
         args.append("--sequence-parallel")
     args.append(f"--num-layers {len(plan.layers)}")

@@ -25,9 +25,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from autopar.plan import Plan
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from autopar.plan import Plan, precision
 
 
 def _cut(build, layers: int):
@@ -97,7 +95,7 @@ def executed_memory(build, plan: Plan) -> dict:
 
     from autopar import memory
 
-    dtype = DTYPES.get(plan.precision)
+    dtype = getattr(torch, precision(plan.precision).param)  # the masters: the plan's precision casts them
     modes = Counter(l.ac for l in plan.layers)
     base = modes.most_common(1)[0][0]
     M = max(1, plan.global_batch // (plan.dp * plan.mb))

@@ -29,6 +29,47 @@ ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters
                  "cp": "autopar's executor does not split a sequence over ranks (context parallelism)"}
 
 
+@dataclass(frozen=True)
+class Precision:
+    """How a plan trains numerically: FSDP2's ``MixedPrecisionPolicy`` as one name. ``param``:
+    the parameters the optimizer updates, their gradients and its state (the masters);
+    ``compute``: the parameters as the step reads them (gathered in it), so matmuls and
+    activations; ``reduce``: the gradients' reduce-scatter / all-reduce (torch dtype names)."""
+
+    name: str
+    param: str
+    compute: str
+    reduce: str
+    runs: str = ""  # why ``autopar.compile`` does not run it ("" if it does)
+    about: str = ""
+
+    def bytes(self, what: str) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[getattr(self, what)]
+
+
+PRECISIONS = {p.name: p for p in (
+    Precision("fp32", "float32", "float32", "float32", about="fp32 throughout"),
+    Precision("bf16-mixed", "float32", "bfloat16", "float32",
+              about="fp32 master weights and optimizer state, bf16 compute and gathers, fp32 gradient reduction"),
+    Precision("bf16-true", "bfloat16", "bfloat16", "bfloat16",
+              about="bf16 weights, gradients and optimizer state, no fp32 masters"),
+    Precision("fp16-mixed", "float32", "float16", "float32",
+              runs="fp16 needs dynamic loss scaling, which autopar's step does not do; train with bf16-mixed",
+              about="fp32 masters, fp16 compute, fp32 gradient reduction"),
+)}
+# Shorter names users type: "bf16" is what torchtitan and FSDP2 users mean by it (mixed, fp32 masters).
+PRECISION_ALIASES = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "float32": "fp32", "32": "fp32"}
+
+
+def precision(name: str) -> Precision:
+    """The precision called ``name`` (or one of its aliases)."""
+    p = PRECISIONS.get(PRECISION_ALIASES.get(name, name)) if isinstance(name, str) else None
+    if p is None:
+        raise AutoparError(f"precision {name!r}: choose one of {', '.join(PRECISIONS)} "
+                           f"({', '.join(f'{a} = {b}' for a, b in PRECISION_ALIASES.items() if a[0].isalpha())})")
+    return p
+
+
 def stage_rank(stage: int, pp: int, schedule: str) -> int:
     """The pipeline rank that runs pipeline stage ``stage`` (model order): looped, or V-shaped
     for ``zbv`` (odd chunks run on the ranks in reverse)."""
@@ -185,6 +226,7 @@ class Plan:
             d["tp_notes"] = tuple(d.get("tp_notes", ()))
             d["notes"] = tuple(d.get("notes", ()))
             d["schedules"] = tuple(d.get("schedules", ()))
+            d["precision"] = precision(d["precision"]).name
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise AutoparError(f"plan JSON is missing or has unknown fields: {e}") from e

@@ -51,7 +51,7 @@ def memory_bandwidth(hw: Hardware, moved: np.ndarray) -> np.ndarray:
 
 def node_times(
     costs: NodeCosts, hw: Hardware, *, mb: int, tp: int, sp: bool, bytes_scale: float = 1.0,
-    compiled: bool = True, fp8: bool = False, seq_shard: int = 1,
+    compiled: bool = True, fp8: bool = False, seq_shard: int = 1, compute: str | None = None,
 ) -> ComputeTimes:
     """Roofline times of one microbatch of ``mb`` sequences through a node list."""
     if len(costs.names) == 0:
@@ -63,7 +63,7 @@ def node_times(
     if compiled:
         act = np.where(costs.kind == KIND_OTHER, act * hw.eff("fusion"), act)
     wbytes = costs.weight_bytes * bytes_scale / np.where(costs.tp, tp, 1)
-    peak = hw.peak_tflops * 1e12
+    peak = hw.peak(compute) * 1e12
     mm_peak = peak * hw.eff("matmul") * (2.0 if fp8 else 1.0)
     rate = np.where(costs.kind == KIND_MATMUL, mm_peak, peak * hw.eff("attention"))
     eff_flops = np.where(costs.causal, flops * 0.5, flops)

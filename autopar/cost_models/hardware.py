@@ -26,6 +26,10 @@ fits on a real machine:
   backward together. Charged only for eager runs; compiled graphs trace it away.
 - ``pp_microbatch_us``: the pipeline schedule's own time per microbatch and stage (forward and
   backward actions, beyond the activation transfers).
+- ``precision``: the compute precision ``peak_tflops`` is for (``bf16`` on GPUs, ``fp32`` on CPUs);
+  ``peak_tflops_fp32``: the fp32 peak where that differs (GPUs: the CUDA cores, since PyTorch's
+  fp32 matmuls do not use TF32 by default). A precision without a peak of its own is priced at
+  ``peak_tflops``.
 - ``launch_us``: fixed time per executed op (framework dispatch and kernel launch); it matters for
   small models and CPU runs, not for large GPU matmuls.
 """
@@ -77,7 +81,15 @@ class Hardware:
     sp_op_us: float = 0.0  # eager DTensor overhead per op on sequence shards (forward + backward)
     pp_microbatch_us: float = 0.0  # pipeline schedule time per microbatch and stage
     precision: str = "bf16"
+    peak_tflops_fp32: float = 0.0
     note: str = ""
+
+    def peak(self, compute: str | None) -> float:
+        """TFLOP/s of matmuls computed in ``compute`` (a torch dtype name; None: the profile's own)."""
+        own = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.precision, self.precision)
+        if compute == "float32" and own != "float32" and self.peak_tflops_fp32:
+            return self.peak_tflops_fp32
+        return self.peak_tflops
 
     def eff(self, key: str) -> float:
         return float(self.efficiency.get(key, DEFAULT_EFFICIENCY[key]))

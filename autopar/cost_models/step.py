@@ -27,8 +27,9 @@ runs with TP add the DTensor dispatch time the profile measured (``tp_eager_over
 
 Memory of rank ``r`` (bytes)::
 
-    states  = P_r * (4 master + 4 grad + 8 AdamW) / dp_shard          (mixed precision)
-    working = unsharded bf16 params in flight (1 + prefetch layers with reshard, all of the stage without)
+    states  = P_r * (master + grad + 2 AdamW moments, in the master dtype) / dp_shard
+              (+ a compute-dtype copy of the weights without FSDP, under mixed precision)
+    working = unsharded compute-dtype params in flight (1 + prefetch layers with reshard, all of the stage without)
     acts    = mb * sum_layers saved(ac) * inflight_r  +  one layer's backward working set
     inflight_r = 1 (no PP), M (GPipe), min(M, pp - r) (1F1B),
                  min(M v, (v-1) pp + 2 (pp-1-r) + 1) / v (interleaved, per layer)
@@ -50,6 +51,8 @@ from autopar.cost_models.comm import Group, collective_time, collective_transfer
 from autopar.cost_models.compute import node_times
 from autopar.cost_models.hardware import Hardware
 from autopar.errors import AutoparError
+from autopar.plan import Precision
+from autopar.plan import precision as precision_of
 
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv")
@@ -155,7 +158,7 @@ class CostContext:
     model: ModelProfile
     hw: Hardware
     global_batch: int  # sequences per step
-    precision: str = "bf16"  # bf16 | fp16 | fp32
+    precision: str = "bf16-mixed"  # a name in plan.PRECISIONS
     compiled: bool = True
     async_tp: bool = False
     fp8: bool = False
@@ -172,7 +175,17 @@ class CostContext:
 
     @property
     def act_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
+        """Bytes of an activation, and of a parameter as the step reads (gathers) it."""
+        return self.prec.bytes("compute")
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of a gradient element as data parallelism reduces it."""
+        return self.prec.bytes("reduce")
+
+    @property
+    def prec(self) -> Precision:
+        return precision_of(self.precision)
 
     @property
     def bytes_scale(self) -> float:
@@ -362,7 +375,7 @@ class StageModel:
         if cfg.shard <= 1:
             return 0.0, 0.0, 0.0
         reshard = reshard and cfg.fsdp_once != "gather"
-        ag_bytes, rs_bytes = p_local * ctx.act_bytes, p_local * 4
+        ag_bytes, rs_bytes = p_local * ctx.act_bytes, p_local * ctx.reduce_bytes
         ag = self._ct("all_gather", ag_bytes, self.g_shard)
         rs = self._ct("reduce_scatter", rs_bytes, self.g_shard)
         busy = (self._cx("all_gather", ag_bytes, self.g_shard) * (2 if reshard else 1)
@@ -386,7 +399,7 @@ class StageModel:
         if key not in self._cache:
             ctx = self.ctx
             self._cache[key] = node_times(costs, ctx.hw, mb=mb, tp=tp, sp=sp, bytes_scale=ctx.bytes_scale,
-                                          compiled=ctx.compiled, fp8=fp8)
+                                          compiled=ctx.compiled, fp8=fp8, compute=ctx.prec.compute)
         return self._cache[key]
 
     def _average(self) -> LayerCoeffs:
@@ -405,12 +418,10 @@ class StageModel:
 
     def _state_bytes(self, p_local: float) -> float:
         cfg, ctx = self.cfg, self.ctx
-        if ctx.precision == "fp32":
-            per = 4 + 4 + 8  # param, grad, AdamW exp_avg + exp_avg_sq
-            extra = 0.0
-        else:
-            per = 4 + 4 + 8  # fp32 master param, fp32 grad, AdamW states
-            extra = 0.0 if cfg.fsdp else 2.0  # bf16 copies of the weights without FSDP
+        prec = ctx.prec
+        per = 4 * prec.bytes("param")  # parameter, gradient, AdamW's exp_avg and exp_avg_sq
+        # Without FSDP, mixed precision keeps the compute-dtype copy of each weight the backward reads.
+        extra = prec.bytes("compute") if prec.compute != prec.param and not cfg.fsdp else 0.0
         return p_local * per / cfg.shard + p_local * extra
 
     # -- embedding / head ---------------------------------------------------------------------
@@ -430,7 +441,7 @@ class StageModel:
         self.p2p = self.pp_runtime = 0.0
         # The tied weight's two gradient copies (first and last stage) summed once per step, over
         # a group of two ranks as far apart as the pipeline's ends (Megatron's embedding group).
-        self.tied_grad_bytes = (tied_vocab / tp + tied_rep) * 4 / cfg.shard
+        self.tied_grad_bytes = (tied_vocab / tp + tied_rep) * ctx.prec.bytes("param") / cfg.shard
         self.tied_ar = 0.0
         if self.tied_grad_bytes:
             g_ends = group_on_mesh([2, cfg.dp_replicate, cfg.dp_shard * cfg.cp, cfg.tp], 0, hw.gpus_per_node)
@@ -520,7 +531,7 @@ class StageModel:
             keep = cfg.reshard and cfg.fsdp_once != "gather"
             working = ((1 + cfg.prefetch) * c.working_param) if keep else n * c.working_param
             if cfg.fsdp_once:  # unsharded fp32 gradients accumulated across the microbatches
-                working += n * c.working_param / self.ctx.act_bytes * 4
+                working += n * c.working_param / self.ctx.act_bytes * self.ctx.reduce_bytes
         post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
         outer_act = 0.0
         # The backward's working set beyond what is saved: a layer's recomputed activations, or
@@ -534,7 +545,7 @@ class StageModel:
                 ws = max(ws, o["grad_ws"])
                 if cfg.shard > 1:
                     working = max(working, o["working"]) if keep else working + o["working"] * (
-                        1 + (4 / self.ctx.act_bytes if cfg.fsdp_once else 0))
+                        1 + (self.ctx.reduce_bytes / self.ctx.act_bytes if cfg.fsdp_once else 0))
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,
@@ -598,8 +609,8 @@ class StageModel:
     def optimizer_time(self) -> float:
         ranks = [self.rank_params(r) for r in range(self.cfg.pp)] if self.cfg.pp > 1 else [self.rank_params(0)]
         p = max(ranks)
-        # AdamW reads param, grad, two states and writes param and two states: 28 bytes (fp32).
-        return p / self.cfg.shard * 28 / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
+        # AdamW reads param, grad, two states and writes param and two states: 7 master-dtype values.
+        return p / self.cfg.shard * 7 * self.ctx.prec.bytes("param") / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
 
     def rank_params(self, r: int) -> float:
         """Local parameter elements of rank ``r`` under a balanced split."""
@@ -629,11 +640,11 @@ class StageModel:
         if cfg.dp * cfg.cp == 1 or cfg.fsdp:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
-        ar = self._ct("all_reduce", p * 4, self.g_dp)
+        ar = self._ct("all_reduce", p * self.ctx.reduce_bytes, self.g_dp)
         if not cfg.dp_overlap:
             return ar
         window = self.coeffs.parts["none"]["compute"] * 2 / 3 * max(1, self.balanced_layers()[0])
-        return max(0.0, ar - window) + self._ct("all_reduce", min(p * 4, 25e6), self.g_dp)
+        return max(0.0, ar - window) + self._ct("all_reduce", min(p * self.ctx.reduce_bytes, 25e6), self.g_dp)
 
     def dp_busy(self) -> float:
         """Processor time of the data-parallel gradient all-reduce (without FSDP): its exposed
@@ -642,7 +653,7 @@ class StageModel:
         if cfg.dp * cfg.cp == 1 or cfg.fsdp:
             return 0.0
         p = max(self.rank_params(r) for r in range(cfg.pp))
-        return max(self.dp_exposed(), self._cx("all_reduce", p * 4, self.g_dp))
+        return max(self.dp_exposed(), self._cx("all_reduce", p * self.ctx.reduce_bytes, self.g_dp))
 
     def evaluate(self, a: Assignment) -> Estimate:
         cfg, ctx, m = self.cfg, self.ctx, self.ctx.model
@@ -716,16 +727,17 @@ class StageModel:
                 out.append({"kind": "all_gather", "group": shard_group, "group_size": cfg.shard,
                             "bytes": p, "count": ag_count, "why": "FSDP parameter unshard per layer"})
             out.append({"kind": "reduce_scatter", "group": shard_group, "group_size": cfg.shard,
-                        "bytes": p / ctx.act_bytes * 4, "count": n * (1 if cfg.fsdp_once else M),
+                        "bytes": p / ctx.act_bytes * ctx.reduce_bytes, "count": n * (1 if cfg.fsdp_once else M),
                         "why": "FSDP gradient reduce per layer"})
             if cfg.dp_replicate > 1:
                 out.append({"kind": "all_reduce", "group": "dp_replicate", "group_size": cfg.dp_replicate,
-                            "bytes": p / ctx.act_bytes * 4 / cfg.shard, "count": n * (1 if cfg.fsdp_once else M),
+                            "bytes": p / ctx.act_bytes * ctx.reduce_bytes / cfg.shard,
+                            "count": n * (1 if cfg.fsdp_once else M),
                             "why": "HSDP gradient all-reduce across replicas"})
         elif cfg.dp * cfg.cp > 1:
             p = max(self.rank_params(r) for r in range(cfg.pp))
             out.append({"kind": "all_reduce", "group": "dp" if cfg.cp == 1 else "dp x cp", "group_size": cfg.dp * cfg.cp,
-                        "bytes": p * 4,
+                        "bytes": p * ctx.reduce_bytes,
                         "count": 1, "why": "data-parallel gradient all-reduce (bucketed)"})
         if cfg.pp > 1:
             hid = self.tokens * m.seq_len * m.hidden * ctx.act_bytes / (cfg.tp if cfg.sp else 1)

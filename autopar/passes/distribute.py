@@ -53,6 +53,10 @@ class Layout:
     dp_mesh: object = None
     dp_dims: tuple = ()
     dp_size: int = 1
+    # Mixed precision: each parameter is read in ``compute`` dtype (cast before its gather) and
+    # its gradient reduced in ``reduce`` dtype; None: the parameters' own dtype throughout.
+    compute: torch.dtype | None = None
+    reduce: torch.dtype | None = None
 
     def placements(self, i: int) -> tuple:
         by_dim = {"dp_replicate": Replicate(), "dp_shard": self.dp[i], "tp": self.tp.get(i, Replicate())}
@@ -209,12 +213,17 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     def read(i: int, x: torch.Tensor, consumer: torch.fx.Node) -> torch.Tensor:
         """Parameter ``i`` as the step reads it: gathered over data parallelism (recorded where
         its first consumer runs, so the gather sits next to its use) and wrapped for TP."""
+        compute = layout.compute if x.is_floating_point() else None
         if layout.dp_mesh is not None:
             fsdp = any(isinstance(p, Shard) for p in layout.dp_placements(i))
             use_layer = consumer.meta.get("custom", {}).get("layer")
             with fx_traceback.annotate({"pass": "fsdp" if fsdp else "ddp", "source": sg.param_names[i],
                                         "param_index": i, "use_layer": use_layer}):
-                x = read_param(x, layout.dp_mesh, layout.dp_placements(i), layout.tp_local_shape(i))
+                x = read_param(x, layout.dp_mesh, layout.dp_placements(i), layout.tp_local_shape(i),
+                               compute, layout.reduce)
+        elif compute is not None and x.dtype != compute:
+            with fx_traceback.annotate({"pass": "mp", "source": sg.param_names[i], "param_index": i}):
+                x = x.to(compute)  # its gradient comes back in the parameter's dtype
         if layout.tp_mesh is not None:
             x = DTensor.from_local(x, layout.tp_mesh, [layout.tp.get(i, Replicate())], run_check=False,
                                    shape=torch.Size(layout.shapes[i]),

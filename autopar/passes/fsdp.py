@@ -32,12 +32,18 @@ def dp_placements(shapes: list, tp_placements: dict, dp_shard: int, fsdp: bool) 
     return out
 
 
-def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple) -> torch.Tensor:
+def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple,
+               compute: torch.dtype | None = None, reduce: torch.dtype | None = None) -> torch.Tensor:
     """The parameter gathered over the data-parallel mesh (its TP shard), differentiable: the
-    gradient is reduced back to this rank's shard."""
+    gradient is reduced back to this rank's shard. Mixed precision (``compute``/``reduce``, as
+    FSDP2's ``param_dtype``/``reduce_dtype``): the shard is cast before its gather, so the gather
+    moves compute-dtype bytes; the gradient is cast to ``reduce`` before its reduction and lands in
+    the shard's own dtype."""
     stride = torch.empty(tp_local_shape, device="meta").stride()
     d = DTensor.from_local(local, dp_mesh, dp_pls, run_check=False, shape=torch.Size(tp_local_shape), stride=stride)
     whole = [Replicate()] * len(dp_pls)
-    if list(dp_pls) != whole:
-        d = d.redistribute(dp_mesh, whole)
+    mixed = compute is not None and compute != local.dtype
+    if list(dp_pls) != whole or mixed:
+        d = d.redistribute(dp_mesh, whole, forward_dtype=compute if mixed else None,
+                           backward_dtype=reduce if mixed else None)
     return d.to_local(grad_placements=[Partial("sum")] * len(dp_pls))

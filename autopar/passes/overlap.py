@@ -185,12 +185,15 @@ def _merge_gather(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, torch.fx
 
     _hoist(g, [n.args[0] for n in b.nodes], use)
     _, size, group = b.nodes[0].args
+    # The gathered dtype: Inductor's bucketing hands ``_gather_flat`` a cast's input in place of
+    # the cast (mixed precision casts each shard before its gather), so the cast is redone there.
+    dtype = b.nodes[0].meta["val"].dtype
     new, _ = process_collective_bucket(
-        g, b.nodes, _gather_flat, lambda ins: ([i.meta["val"] for i in ins], group, size), insert_before=use)
+        g, b.nodes, _gather_flat, lambda ins: ([i.meta["val"] for i in ins], group, size, dtype), insert_before=use)
     return next(n for n in new if n.target is _GATHER), use
 
 
-def _gather_flat(ins: list, group: str, size: int) -> list:
+def _gather_flat(ins: list, group: str, size: int, dtype: torch.dtype) -> list:
     """The bucket's gather, traced into the graph: the shards concatenated, one out-of-place
     all-gather, each parameter's rows taken back out. Out of place, because Inductor keeps an
     out-of-place collective's input alive until its wait, which it does not do for the input of
@@ -198,7 +201,7 @@ def _gather_flat(ins: list, group: str, size: int) -> list:
     Not the coalesced all-gather, whose outputs would need no copy: compiled by Inductor it left
     every layer's gathered weights resident (measured with bench/memory.py: twice FSDP2's step
     peak at 8 and 16 layers, where the liveness of the same graphs is FSDP2's)."""
-    flat = torch.cat([x.reshape(-1) for x in ins])
+    flat = torch.cat([x.reshape(-1).to(dtype) for x in ins])
     out = _WAIT(_GATHER(flat, size, group)).reshape(size, -1)
     parts = out.split([x.numel() for x in ins], dim=1)
     return [p.reshape((x.shape[0] * size, *x.shape[1:])) for p, x in zip(parts, ins)]
