@@ -244,11 +244,11 @@ def render_executed(info: dict, *, width: int | None = None) -> str:
     con = _console(buf, width)
     for name, recs in info.get("collectives", {}).items():
         t = Table(title=f"collectives in the compiled {name} graphs ({len(recs)})")
-        for c in ("graph", "kind", "group", "MiB", "pass", "from"):
+        for c in ("graph", "kind", "group", "MiB", "dtype", "pass", "from"):
             t.add_column(c)
         for r in recs:
-            t.add_row(r["graph"], r["kind"], str(r["group_size"]), f"{r['bytes'] / 2**20:.3f}", r["pass"],
-                      r["source"] or r["module"])
+            t.add_row(r["graph"], r["kind"], str(r["group_size"]), f"{r['bytes'] / 2**20:.3f}", r.get("dtype", ""),
+                      r["pass"], r["source"] or r["module"])
         con.print(t)
     for name, lines in info.get("notes", {}).items():
         for line in lines:

@@ -50,6 +50,10 @@ def run_case(world: int, case: dict) -> dict:
     par = copy.deepcopy(ref)
     ids, tgt = batch(1, B=case.get("batch", 8))
     kw = {"compile": case["compile"]} if "compile" in case else {}
+    fsdp2 = None
+    if case.get("mp"):  # mixed precision: FSDP2 with the same policy, on these processes, is the reference
+        kw["mp_policy"] = policy(case["mp"])
+        fsdp2 = fsdp2_run(copy.deepcopy(ref), world, kw["mp_policy"], case.get("steps", 3), case.get("batch", 8))
     pm = autopar.compile(par, world, example_inputs=(ids,), plan=case.get("plan", "auto"),
                          global_batch=ids.shape[0], **kw)
     # The distributed weights gathered back: bit for bit the original's, loadable by a fresh model.
@@ -89,7 +93,51 @@ def run_case(world: int, case: dict) -> dict:
         out["ref_losses"].append(float(rl.detach()))
         ref_opt.step()
         opt.step()
+    if fsdp2 is not None:
+        out["fsdp2_losses"] = fsdp2["losses"]
+        out["dtypes"] = {"params": sorted({str(q.dtype) for q in pm.parameters()}),
+                         "grads": sorted({str(q.grad.dtype) for q in pm.parameters() if q.grad is not None})}
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            out["dtypes"][kind] = sorted({r.get("dtype") for recs in pm.info["collectives"].values() for r in recs
+                                          if r["kind"].startswith(kind) and r["pass"] in ("fsdp", "ddp")})
     return out
+
+
+def policy(name: str):
+    """FSDP2's MixedPrecisionPolicy for a precision name (what a user of FSDP2 passes)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autopar.plan import precision
+
+    p = precision(name)
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, p.compute), reduce_dtype=getattr(torch, p.reduce))
+
+
+def fsdp2_run(model: torch.nn.Module, world: int, mp_policy, steps: int, B: int) -> dict:
+    """What an FSDP2 user runs, on these processes: ``fully_shard`` on each layer and the root
+    with ``mp_policy``, data parallel over the whole world (each rank its slice of the batch),
+    AdamW; the loss of each step (averaged over ranks) on the batches ``run_case`` uses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.capture import default_loss, find_layers
+
+    mesh = init_device_mesh("cpu", (world,))
+    for name in find_layers(model):
+        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n, rank, losses = B // world, dist.get_rank(), []
+    for step in range(steps):
+        ids, tgt = batch(100 + step, B=B)
+        opt.zero_grad()
+        loss = default_loss(model(ids[rank * n:(rank + 1) * n]), tgt[rank * n:(rank + 1) * n])
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return {"losses": losses}
 
 
 def run_checkpoint_case(world: int, case: dict) -> dict:
@@ -108,7 +156,7 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
     out = {"name": case["name"]}
     if case.get("save_plan") is not None:
         src = autopar.compile(copy.deepcopy(ref), world, example_inputs=(ids,), plan=case["save_plan"],
-                              global_batch=ids.shape[0])
+                              global_batch=ids.shape[0], mp_policy=case.get("mp"))
         opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
         src.step(ids, target=tgt)
         opt.step()  # trained weights and moments, unlike any fresh initialisation
@@ -131,7 +179,7 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
         ref_losses.append(float(loss.detach()))
     torch.manual_seed(1)
     dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=(ids,), plan=case["load_plan"],
-                          global_batch=ids.shape[0])
+                          global_batch=ids.shape[0], mp_policy=case.get("mp"))
     dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
     old_plan = dst.load_checkpoint(case["dir"], dst_opt)
     got = dst.full_state_dict()

@@ -107,7 +107,7 @@ def collectives(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def collective_record(n: torch.fx.Node) -> dict:
-    """kind, group size, bytes (of the result) and origin of one collective node."""
+    """kind, group size, bytes and dtype (of the result) and origin of one collective node."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     kind = op_short(n.target).removesuffix("_coalesced")  # a bucket: one collective on the wire
@@ -120,6 +120,7 @@ def collective_record(n: torch.fx.Node) -> dict:
     val = n.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
     nbytes = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if isinstance(v, torch.Tensor)})
     custom = n.meta.get("custom", {})
-    return {"kind": kind, "group": str(group), "group_size": size, "bytes": int(nbytes),
+    return {"kind": kind, "group": str(group), "group_size": size, "bytes": int(nbytes), "dtype": ",".join(dtypes),
             "pass": custom.get("pass", "?"), "source": custom.get("source", ""), "module": custom.get("module", "")}
