@@ -245,9 +245,10 @@ def render_executed(info: dict, *, width: int | None = None) -> str:
     for name, recs in info.get("collectives", {}).items():
         t = Table(title=f"collectives in the compiled {name} graphs ({len(recs)})")
         for c in ("graph", "kind", "group", "MiB", "dtype", "pass", "from"):
-            t.add_column(c)
+            t.add_column(c, min_width=14 if c == "kind" else None)  # "reduce_scatter" whole
         for r in recs:
-            t.add_row(r["graph"], r["kind"], str(r["group_size"]), f"{r['bytes'] / 2**20:.3f}", r.get("dtype", ""),
+            kind = r["kind"].removesuffix("_into_tensor").removesuffix("_tensor")  # all_gather, reduce_scatter
+            t.add_row(r["graph"], kind, str(r["group_size"]), f"{r['bytes'] / 2**20:.3f}", r.get("dtype", ""),
                       r["pass"], r["source"] or r["module"])
         con.print(t)
     for name, lines in info.get("notes", {}).items():

@@ -122,7 +122,7 @@ def executed_memory(build, plan: Plan) -> dict:
     states = params * 4  # + gradient shards + AdamW's two moments, all in the parameters' dtype
     return {"step_peak": peak, "per_layer": per, "states": states, "params": params, "layers": n,
             "peak_at": two.peak_at, "breakdown_2_layers": two.breakdown, "microbatches": M,
-            "dtype": str(dtype).replace("torch.", "")}
+            "dtype": plan.precision}
 
 
 def render_memory(ex: dict, plan: Plan) -> str:

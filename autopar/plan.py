@@ -42,6 +42,7 @@ class Precision:
     reduce: str
     runs: str = ""  # why ``autopar.compile`` does not run it ("" if it does)
     about: str = ""
+    float8: bool = False  # the linears' matmuls in float8 (torchao's Float8Linear), the rest as ``compute``
 
     def bytes(self, what: str) -> int:
         return {"float32": 4, "bfloat16": 2, "float16": 2}[getattr(self, what)]
@@ -56,9 +57,14 @@ PRECISIONS = {p.name: p for p in (
     Precision("fp16-mixed", "float32", "float16", "float32",
               runs="fp16 needs dynamic loss scaling, which autopar's step does not do; train with bf16-mixed",
               about="fp32 masters, fp16 compute, fp32 gradient reduction"),
+    Precision("float8", "float32", "bfloat16", "float32", float8=True,
+              runs="float8 linears (torchao's convert_to_float8_training) are priced, not applied by autopar's "
+                   "executor; train with bf16-mixed, or price float8 with `autopar explain/estimate --precision float8`",
+              about="bf16-mixed with the linears' matmuls in float8 (torchao, dynamic scaling), as torchtitan's "
+                    "Float8 runs"),
 )}
 # Shorter names users type: "bf16" is what torchtitan and FSDP2 users mean by it (mixed, fp32 masters).
-PRECISION_ALIASES = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "float32": "fp32", "32": "fp32"}
+PRECISION_ALIASES = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp8": "float8", "float32": "fp32", "32": "fp32"}
 
 
 def precision(name: str) -> Precision:

@@ -203,7 +203,7 @@ def runs() -> list[tuple[dict, dict | None]]:
 def predict(spec: dict, eff: dict) -> tuple[float, float]:
     prof = profiled(spec["model"], spec["seq"])
     hw = load_hardware(spec["hardware"]).with_efficiency(**eff.get(spec["hardware"], {}))
-    ctx = CostContext(prof, hw, spec["global_batch"], "bf16", spec["compiled"], spec["async_tp"], spec["fp8"],
+    ctx = CostContext(prof, hw, spec["global_batch"], "bf16-mixed", spec["compiled"], spec["async_tp"], spec["fp8"],
                       activations=spec["activations"])
     sm = StageModel(ctx, spec["cfg"])
     e = sm.evaluate(uniform_assignment(sm, spec["ac"]))

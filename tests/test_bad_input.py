@@ -238,7 +238,33 @@ API_CASES = [
      AutoparError, r"has no repeated blocks \(no two or more modules of one class with the same parameter shapes"),
     ("buffers_updated_in_forward", lambda: (_BatchNormBlocks(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      TraceError, r"updates the buffer\(s\) bn.num_batches_tracked, bn.running_mean, bn.running_var.*LayerNorm"),
+    # Mixed precision: what FSDP2 accepts but autopar does not plan, said in words; nothing converted.
+    ("mp_reduce_in_bf16", lambda: (build("llama-tiny"), 1, {"mp_policy": _mp(torch.bfloat16, None)}), AutoparError,
+     r"computes in bfloat16 and reduces gradients in bfloat16, which is none of the precisions autopar plans: "
+     r"fp32 .*reduce_dtype=torch.float32"),
+    ("mp_fp16", lambda: (build("llama-tiny"), 1, {"mp_policy": _mp(torch.float16, torch.float32)}), AutoparError,
+     r"fp16-mixed is priced but not run: fp16 needs dynamic loss scaling.*bf16-mixed"),
+    ("mp_masters_not_fp32", lambda: (build("llama-tiny").to(torch.bfloat16), 1, {"mp_policy": "bf16-mixed"}),
+     AutoparError, r"bf16-mixed keeps the parameters in float32, but the model's are bfloat16.*model.float\(\)"),
+    ("mp_unknown_name", lambda: (build("llama-tiny"), 1, {"mp_policy": "bf8"}), AutoparError,
+     r"precision 'bf8': choose one of fp32, bf16-mixed, bf16-true, fp16-mixed"),
+    ("mp_wrong_type", lambda: (build("llama-tiny"), 1, {"mp_policy": torch.bfloat16}), AutoparError,
+     r"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or a precision name"),
+    ("plan_priced_for_another_precision", lambda: _planned_fp32("bf16-mixed"), PlanMismatchError,
+     r"the plan was priced for fp32 \(fp32 throughout\) but this run trains bf16-mixed"),
 ]
+
+
+def _planned_fp32(mp_policy):
+    m = build("llama-tiny")
+    plan = autopar.plan(m, 1, example_inputs=(batch(1)[0],), hardware="cpu", global_batch=8, precision="fp32")
+    return m, 1, {"plan": plan, "mp_policy": mp_policy}
+
+
+def _mp(param, reduce):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
 def _sigmoid_moe():

@@ -369,7 +369,7 @@ def test_context_parallel_is_priced_not_planned(llama8b, tmp_path):
     plan.save(str(path))
     with pytest.raises(AutoparError, match="priced by `autopar estimate` with cp=2"):
         api._resolve_plan(Plan.load(str(path)), None, 8, None, example_inputs=None, hardware=None, global_batch=None,
-                          memory_limit_gb=None, loss_fn=None, device="cpu")
+                          memory_limit_gb=None, loss_fn=None, device="cpu", precision="bf16-mixed")
 
 
 def test_fewer_microbatches_than_stages_priced_with_its_bubble_not_run(llama8b):
@@ -391,4 +391,55 @@ def test_fewer_microbatches_than_stages_priced_with_its_bubble_not_run(llama8b):
     assert est.breakdown["bubble"] / pipe(est) > full.breakdown["bubble"] / pipe(full)
     with pytest.raises(AutoparError, match="need at least one per stage"):
         api._resolve_plan(plan, None, 8, None, example_inputs=None, hardware=None, global_batch=None,
-                          memory_limit_gb=None, loss_fn=None, device="cpu")
+                          memory_limit_gb=None, loss_fn=None, device="cpu", precision="bf16-mixed")
+
+
+def test_each_precision_priced_as_it_runs(llama8b):
+    """What a precision holds and moves: bf16-mixed keeps fp32 masters, gradients and AdamW
+    moments (16 bytes a parameter) and reduces gradients in fp32 (twice the gathered bytes);
+    bf16 throughout holds half of that and reduces in bf16; fp32 computes at the GPU's fp32
+    peak (PyTorch's fp32 matmuls do not use TF32 by default), not its bf16 one."""
+    h100 = load_hardware("h100")
+    cfg = Config(dp=8, dp_shard=8, fsdp=True, mb=1)
+    est = {p: estimate(CostContext(llama8b, h100, 64, p), cfg) for p in ("bf16-mixed", "bf16-true", "fp32")}
+    states = {p: e.memory_breakdown["parameters+grads+optimizer"] for p, e in est.items()}
+    assert states["bf16-true"] == pytest.approx(states["bf16-mixed"] / 2)
+    assert states["fp32"] == pytest.approx(states["bf16-mixed"])
+
+    def moved(e, kind):
+        return next(c["bytes"] for c in e.collectives if c["kind"] == kind)
+    assert moved(est["bf16-mixed"], "reduce_scatter") == pytest.approx(2 * moved(est["bf16-mixed"], "all_gather"))
+    assert moved(est["bf16-true"], "reduce_scatter") == pytest.approx(moved(est["bf16-true"], "all_gather"))
+    assert moved(est["fp32"], "all_gather") == pytest.approx(2 * moved(est["bf16-mixed"], "all_gather"))
+    compute = {p: e.breakdown["compute"] for p, e in est.items()}
+    assert compute["fp32"] > 5 * compute["bf16-mixed"]
+    assert compute["bf16-true"] == pytest.approx(compute["bf16-mixed"])
+
+
+def test_precision_names():
+    """Plans saved when "bf16" was the only mixed name load as bf16-mixed; an unknown name lists the choices."""
+    from autopar.plan import precision
+
+    assert precision("bf16").name == "bf16-mixed" and precision("fp16").name == "fp16-mixed"
+    assert precision("bf16-true").param == "bfloat16" and precision("bf16-mixed").reduce == "float32"
+    with pytest.raises(AutoparError, match="choose one of fp32, bf16-mixed, bf16-true, fp16-mixed"):
+        precision("tf32")
+
+
+def test_float8_priced_where_the_gpu_has_it(llama8b):
+    """Float8 linears (torchtitan's Float8 runs) are a precision the planner prices on H100 and
+    newer (matmuls at twice the bf16 peak); on an A100 it is refused, and compile does not run it."""
+    import autopar
+    from autopar import api
+
+    h100 = load_hardware("h100")
+    cfg = Config(dp=8, dp_shard=8, fsdp=True, mb=1)
+    fp8, bf16 = (estimate(CostContext(llama8b, h100, 64, p), cfg) for p in ("float8", "bf16-mixed"))
+    assert fp8.breakdown["compute"] < 0.75 * bf16.breakdown["compute"]
+    assert fp8.memory_breakdown == bf16.memory_breakdown
+    with pytest.raises(AutoparError, match="a100-80gb has no float8 matmuls"):
+        api.make_context(llama8b, world=8, hardware="a100-80gb", precision="float8")
+    from tests.dist_harness import batch, build
+
+    with pytest.raises(AutoparError, match="float8 is priced but not run: float8 linears"):
+        autopar.compile(build("llama-tiny"), 1, example_inputs=(batch(1)[0],), mp_policy="fp8")

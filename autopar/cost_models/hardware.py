@@ -29,7 +29,7 @@ fits on a real machine:
 - ``precision``: the compute precision ``peak_tflops`` is for (``bf16`` on GPUs, ``fp32`` on CPUs);
   ``peak_tflops_fp32``: the fp32 peak where that differs (GPUs: the CUDA cores, since PyTorch's
   fp32 matmuls do not use TF32 by default). A precision without a peak of its own is priced at
-  ``peak_tflops``.
+  ``peak_tflops``. ``float8``: the GPU has float8 matmuls (priced at twice the bf16 peak).
 - ``launch_us``: fixed time per executed op (framework dispatch and kernel launch); it matters for
   small models and CPU runs, not for large GPU matmuls.
 """
@@ -82,6 +82,7 @@ class Hardware:
     pp_microbatch_us: float = 0.0  # pipeline schedule time per microbatch and stage
     precision: str = "bf16"
     peak_tflops_fp32: float = 0.0
+    float8: bool = False  # float8 tensor cores (H100 and newer): matmuls at twice the bf16 peak
     note: str = ""
 
     def peak(self, compute: str | None) -> float:

@@ -290,7 +290,7 @@ class StageModel:
     def _layer(self, b: BlockProfile) -> LayerCoeffs:
         ctx, cfg = self.ctx, self.cfg
         tp, mb, sp = cfg.tp, self.tokens, cfg.sp
-        ct = self._times(b.costs, mb, tp, sp, ctx.fp8)
+        ct = self._times(b.costs, mb, tp, sp, ctx.fp8 or ctx.prec.float8)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         saved = getattr(b, "saved_partitioned", None) if ctx.activations == "partitioned" else None
         saved = saved or b.saved
@@ -546,6 +546,12 @@ class StageModel:
                 if cfg.shard > 1:
                     working = max(working, o["working"]) if keep else working + o["working"] * (
                         1 + (self.ctx.reduce_bytes / self.ctx.act_bytes if cfg.fsdp_once else 0))
+        prec = self.ctx.prec
+        if cfg.shard > 1 and prec.reduce != prec.compute and not cfg.fsdp_once:
+            # One bucket's gradients cast to the reduce dtype for their reduce-scatter, as FSDP2's.
+            bucket = max([c.working_param] + [self.outer[n]["working"] for n, on in (("pre", r == 0),
+                                                                                   ("post", r == self.post_rank)) if on])
+            working += bucket / self.ctx.act_bytes * self.ctx.reduce_bytes
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,

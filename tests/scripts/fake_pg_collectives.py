@@ -17,7 +17,7 @@ from autopar import models
 cfg = dataclasses.replace(models.PRESETS["llama3-8b"], n_layers=2, max_seq_len=256)
 sp, world = int(sys.argv[1]), int(sys.argv[2])
 dp = world // 8
-pins = f"tp=8,dp={dp},pp=1,sp={sp},fsdp=1,mb=1,ac=none"
+pins = f"tp=8,dp={dp},dp_shard=8,pp=1,sp={sp},fsdp=1,mb=1,ac=none"
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 with torch.device("meta"):
     model = models.Llama(cfg).to(torch.bfloat16)
