@@ -16,7 +16,9 @@ the step time (median of alternating steps); and the first step's loss on both s
 model). Also the planner's prediction of the same part of memory (``predicted_step_mib``) and
 the executed graphs' liveness peak (``memory.step_peak``).
 
-``python -m bench.memory [--layers 8,16] [--only fsdp]`` writes bench/results/memory.{json,md}.
+``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed]`` writes
+bench/results/memory.{json,md} (``memory_bf16_mixed.*`` with ``--mp``: both sides under FSDP2's
+``MixedPrecisionPolicy`` for that precision).
 Targets (issue 22): autopar / FSDP2 <= 1.0 at both depths, growth with depth no steeper.
 """
 
@@ -68,9 +70,9 @@ def resident_peak_mib(fn) -> float:
     return (status("VmHWM:") - before) / 2**20
 
 
-def fsdp2_model(model: torch.nn.Module, world: int, tp: int) -> torch.nn.Module:
+def fsdp2_model(model: torch.nn.Module, world: int, tp: int, mp_policy=None) -> torch.nn.Module:
     """What a user writes by hand: DTensor TP on the projections (if tp > 1), then fully_shard
-    per decoder block and on the root."""
+    per decoder block and on the root (with ``mp_policy`` when given)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -87,15 +89,17 @@ def fsdp2_model(model: torch.nn.Module, world: int, tp: int) -> torch.nn.Module:
                      "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel()})
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], plan)
+    kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh["dp"], **kw)
+    fully_shard(model, mesh=mesh["dp"], **kw)
     return model
 
 
-def _measure(rank: int, world: int, port: int, name: str, layers: int, steps: int, compile: bool, q) -> None:
+def _measure(rank: int, world: int, port: int, name: str, layers: int, steps: int, compile: bool, mp: str,
+             q) -> None:
     try:
-        q.put((rank, _run(rank, world, port, name, layers, steps, compile)))
+        q.put((rank, _run(rank, world, port, name, layers, steps, compile, mp)))
     except BaseException as e:  # the parent reports it instead of waiting
         import traceback
 
@@ -103,7 +107,7 @@ def _measure(rank: int, world: int, port: int, name: str, layers: int, steps: in
         raise
 
 
-def _run(rank, world, port, name, layers, steps, compile) -> dict:
+def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -118,10 +122,18 @@ def _run(rank, world, port, name, layers, steps, compile) -> dict:
     g = torch.Generator().manual_seed(0)
     ids, tgt = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
     t0 = time.perf_counter()
+    policy = None
+    if mp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from autopar.plan import precision
+
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, precision(mp).compute),
+                                      reduce_dtype=getattr(torch, precision(mp).reduce))
     pm = autopar.compile(copy.deepcopy(base), world, example_inputs=(ids,), plan={**pins, "mb": BATCH // dp},
-                         global_batch=BATCH, compile=compile)
+                         global_batch=BATCH, compile=compile, mp_policy=policy)
     setup = time.perf_counter() - t0
-    ref = fsdp2_model(copy.deepcopy(base), world, tp)
+    ref = fsdp2_model(copy.deepcopy(base), world, tp, policy)
     del base
     sl = slice(pm._dp_rank * (BATCH // dp), (pm._dp_rank + 1) * (BATCH // dp))
 
@@ -172,6 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="configurations (default: all): " + ",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--mp", default="", help="a mixed precision for both sides (e.g. bf16-mixed; default: fp32)")
     args = ap.parse_args(argv)
     # Freed large blocks go back to the system, so the resident peak is the step's (PLATFORM.md).
     os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
@@ -182,7 +195,7 @@ def main(argv=None) -> int:
     for name in [n for n in CONFIGS if not args.only or n in args.only.split(",")]:
         for layers in map(int, args.layers.split(",")):
             world = CONFIGS[name][0]
-            res = spawn_ranks(world, _measure, name, layers, args.steps, not args.no_compile)
+            res = spawn_ranks(world, _measure, name, layers, args.steps, not args.no_compile, args.mp)
             failed = [v for v in res.values() if isinstance(v, str)]
             if failed:
                 print("\n".join(failed), file=sys.stderr)
@@ -197,12 +210,14 @@ def main(argv=None) -> int:
             row["time_ratio"] = row["autopar_s"] / row["fsdp2_s"]
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             rows.append(row)
-    summary = {"model": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, fp32",
+    summary = {"model": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, fp32 parameters",
+               "precision": args.mp or "fp32",
                "batch": f"{BATCH} x {SEQ} global, one microbatch per rank", "compiled": not args.no_compile,
                "alternative": "FSDP2 fully_shard per block + root, eager (DTensor TP inside for tp2_fsdp2)",
                "max alloc ratio": f"{max(r['alloc_ratio'] for r in rows):.3f} (target <= 1.0)"}
     partial = bool(args.only) or args.layers != "8,16"
-    write("memory_partial" if partial else "memory", rows, summary,
+    stem = "memory" + (f"_{args.mp.replace('-', '_')}" if args.mp else "")
+    write(stem + "_partial" if partial else stem, rows, summary,
           ["name", "layers", "plan", "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_rss_mib",
            "fsdp2_rss_mib", "rss_ratio", "liveness_mib", "autopar_s", "fsdp2_s", "time_ratio", "loss_diff",
            "autopar_setup_s"],

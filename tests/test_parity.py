@@ -127,9 +127,8 @@ def _by_name(world, cases):
 # The matrix in two launches of about equal work, side by side on the two xdist workers.
 # Mixed precision (bf16 compute and gathers, fp32 masters and reductions) in the three shapes of
 # parallelism, compared with FSDP2 under the same policy on the same processes (``check_mixed``).
-CI_MIXED = [case("hf-llama", "fsdp4_bf16", PLANS["fsdp4"], mp="bf16-mixed"),
-            case("gpt-tiny", "tp2_fsdp2_sp_bf16", TP2_FSDP2_SP, mp="bf16-mixed"),
-            case("hf-llama", "pp2_fsdp2_bf16", PP4["pp2_fsdp2"], mp="bf16-mixed")]
+CI_MIXED = [case(m, f"{n}_bf16", p, mp="bf16-mixed") for m in ("hf-llama", "gpt-tiny")
+            for n, p in (("fsdp4", PLANS["fsdp4"]), ("tp2_fsdp2_sp", TP2_FSDP2_SP), ("pp2_fsdp2", PP4["pp2_fsdp2"]))]
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
             "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED)}
 MATRIX = {"models_a", "models_b"}
