@@ -493,14 +493,15 @@ def _plan_argument(plan_arg: Any, from_mesh: dict) -> Plan | dict:
 
 
 def _mesh_world(mesh: Any) -> tuple[int, str]:
-    if hasattr(mesh, "device_type"):
-        return mesh.size(), mesh.device_type
-    if not isinstance(mesh, int):
+    """The rank count of ``mesh`` (a DeviceMesh or an int) and the device type its ranks compute on."""
+    if not isinstance(mesh, int) and not hasattr(mesh, "device_type"):
         raise AutoparError(f"mesh must be a DeviceMesh or a world size, got {type(mesh).__name__}")
+    if hasattr(mesh, "device_type"):
+        return _world(mesh), mesh.device_type
     import torch.distributed as dist
 
     dev = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return mesh, dev
+    return _world(mesh), dev
 
 
 def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Profiled, *, example_inputs, hardware,
@@ -662,8 +663,8 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     params = [model.get_parameter(n) for n in sg.param_names]
     buffers = [model.get_buffer(n) for n in sg.buffer_names]
     example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers
-    ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled))
-    ctx.step = StepState(sg, lay, rules, example + info["inputs"])
+    ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled),
+                      step=StepState(sg, lay, rules, example + info["inputs"]))
     joint = run_passes(sg.gm, ctx, [("distribute", distribute), ("ac", apply_ac)])
     from autopar.passes.distribute import grad_inputs, output_values
 

@@ -287,7 +287,7 @@ def _tune(args) -> int:
     if args.tune_cmd == "calibrate":
         base = args.base or ("h100" if backend == "nccl" else "cpu-gloo")
         max_bytes = args.max_mb * (1 << 20) if args.max_mb else None
-        cal = tune.launch(args.nproc, backend, tune._calibrate_rank, base, max_bytes, args.reps, args.model,
+        cal = tune.launch(args.nproc, backend, tune.calibrate_rank, base, max_bytes, args.reps, args.model,
                           args.batch, args.seq_len)
         with open(args.output, "w") as f:
             json.dump(cal.profile, f, indent=1)

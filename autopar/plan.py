@@ -102,9 +102,6 @@ class LayerPlan:
     ac: str  # none | selective | full
 
 
-SHARD_STYLES = ("colwise", "rowwise", "tp_input", "sequence", "vocab_embedding", "vocab_head", "replicate")
-
-
 @dataclass(frozen=True)
 class ShardRule:
     """How one module of a repeated block (or outside the blocks) is split under TP.

@@ -723,7 +723,7 @@ def launch(nproc: int, backend: str, fn, *args):
     return results[0]
 
 
-def _calibrate_rank(base: str, max_bytes, reps: int, model_spec: str | None = None, batch: int = 1,
+def calibrate_rank(base: str, max_bytes, reps: int, model_spec: str | None = None, batch: int = 1,
                     seq_len: int | None = None):
     import sys
 

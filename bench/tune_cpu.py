@@ -69,7 +69,7 @@ def _calibrate(world: int) -> dict:
     """Microbenchmarks plus the model's own operators at this world's share of the batch."""
     from autopar import tune
 
-    return tune.launch(world, "gloo", tune._calibrate_rank, "cpu-gloo", 4 << 20, 3, MODEL,
+    return tune.launch(world, "gloo", tune.calibrate_rank, "cpu-gloo", 4 << 20, 3, MODEL,
                        max(1, BATCH // world), SEQ).profile
 
 

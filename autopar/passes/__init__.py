@@ -54,6 +54,9 @@ class PassContext:
     disabled: set = field(default_factory=set)
     timings: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)  # pass name -> lines for explain
+    # What the distribute pass needs beside the graph (api.StepState: the traced step, where each
+    # parameter lives, the TP rules, the example primals).
+    step: Any = None
 
     def note(self, pass_name: str, line: str) -> None:
         self.notes.setdefault(pass_name, []).append(line)

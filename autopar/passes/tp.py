@@ -46,16 +46,6 @@ def placement_str(p) -> str:
     return "R"
 
 
-def parse_placement(s: str):
-    if s == "R":
-        return Replicate()
-    inner = s[2:-1]
-    if ",x" in inner:
-        d, k = inner.split(",x")
-        return _StridedShard(int(d), split_factor=int(k))
-    return Shard(int(inner))
-
-
 def _end_of_views(n: torch.fx.Node) -> torch.fx.Node:
     while len(n.users) == 1:
         (u,) = n.users
