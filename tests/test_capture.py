@@ -70,3 +70,27 @@ def test_compile_traces_the_step_once(monkeypatch):
     assert len(calls) == 1 and not calls[0].get("first_layers_only")
     loss = pm.step(ids, target=ids)
     assert float(loss) == pytest.approx(float(ref), abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "gpt-tiny"])
+def test_step_traced_as_mixed_precision_runs(kind):
+    """Under mixed precision the step is traced on bf16 parameters (FSDP2's forward): the matmuls
+    and attention compute in bf16, the model's own fp32 upcasts stay (HF RMSNorm), the loss is
+    fp32, and ``output_dtype`` casts the model's outputs (an HF ModelOutput's fields too)."""
+    from autopar.passes.distribute import output_values
+    from tests import zoo
+
+    m = zoo.build(kind)
+    ids = torch.randint(0, 200, (2, 16))
+    sg = capture.trace_step(m, (ids,), target=torch.ones_like(ids), param_dtype=torch.bfloat16)
+    mm = [n for n in sg.gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    assert mm and all(n.meta["val"].dtype == torch.bfloat16 for n in mm)
+    assert [v.dtype for v in output_values(sg)] == [torch.float32]
+    if kind == "hf-llama":  # RMSNorm computes its variance in fp32
+        assert any(n.target == torch.ops.aten.pow.Tensor_Scalar and n.meta["val"].dtype == torch.float32
+                   for n in sg.gm.graph.nodes)
+    fwd = capture.trace_step(m, (ids,), param_dtype=torch.bfloat16)
+    assert [v.dtype for v in output_values(fwd)] == [torch.bfloat16]
+    cast = capture.trace_step(m, (ids,), param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    assert [v.dtype for v in output_values(cast)] == [torch.float32]
+    assert all(p.dtype == torch.float32 for p in m.parameters())  # the module is not converted
