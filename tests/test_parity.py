@@ -128,7 +128,8 @@ def _by_name(world, cases):
 # Mixed precision (bf16 compute and gathers, fp32 masters and reductions) in the three shapes of
 # parallelism, compared with FSDP2 under the same policy on the same processes (``check_mixed``).
 CI_MIXED = [case(m, f"{n}_bf16", p, mp="bf16-mixed") for m in ("hf-llama", "gpt-tiny")
-            for n, p in (("fsdp4", PLANS["fsdp4"]), ("tp2_fsdp2_sp", TP2_FSDP2_SP), ("pp2_fsdp2", PP4["pp2_fsdp2"]))]
+            for n, p in (("fsdp4", PLANS["fsdp4"]), ("tp2_fsdp2_sp", TP2_FSDP2_SP), ("pp2_fsdp2", PP4["pp2_fsdp2"]))] + [
+    case("hf-llama", "ddp4_bf16", PLANS["ddp4"], mp="bf16-mixed")]  # cast, no gather; fp32 all-reduce
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
             "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED)}
 MATRIX = {"models_a", "models_b"}
@@ -160,7 +161,9 @@ def check_mixed(per_rank: list[dict], plan) -> None:
     """Mixed precision ran as FSDP2 runs it: the parameters and their gradients stay fp32, the
     data-parallel gathers move bf16 and the gradient reductions fp32, and the loss trajectory is
     FSDP2's within MP_TOL, its first loss nearer to FSDP2's than to fp32's (bf16 really ran;
-    measured 1.7x to 12x nearer over the six cases)."""
+    measured 1.7x to 12x nearer over these cases; not a property of every model: autopar's own
+    Llama, whose RMSNorm stays in bf16, ran 1.2x nearer under HSDP and 0.9x under TP + SP with
+    selective AC)."""
     for r in per_rank:
         assert "error" not in r, f"{r['name']}: {r['error']}\n{r.get('tb', '')}"
     r = per_rank[0]
