@@ -91,10 +91,10 @@ _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_wi
 
 def _copies_gathered(n: torch.fx.Node, refs: dict, kind: dict) -> bool:
     """A parameter taken out of a gathered buffer (a copy or view of it): gathered too."""
-    from autopar.passes import op_short
+    from autopar.capture import op_name
 
     ins = [k for a in n.all_input_nodes for k in refs.get(a, [])]
-    return bool(ins) and op_short(n.target) in _COPY_OPS and all(kind.get(k) == "gathered parameters" for k in ins)
+    return bool(ins) and op_name(n.target) in _COPY_OPS and all(kind.get(k) == "gathered parameters" for k in ins)
 
 
 def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: bool = False) -> GraphLiveness:

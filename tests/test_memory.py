@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import autopar
 from autopar import memory
-from autopar.passes import collectives, op_short
+from autopar.capture import op_name
+from autopar.passes import collectives
 from tests import zoo
 
 WORLD = 4
@@ -57,10 +58,10 @@ def _layer(n: torch.fx.Node) -> int | None:
 
 def _positions(gm):
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    gathers = [n for n in collectives(gm) if op_short(n.target).startswith("all_gather")]
+    gathers = [n for n in collectives(gm) if op_name(n.target).startswith("all_gather")]
     mms = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and op_short(n.target) == "mm" and n.meta.get("custom", {}).get("layer") is not None:
+        if n.op == "call_function" and op_name(n.target) == "mm" and n.meta.get("custom", {}).get("layer") is not None:
             mms.setdefault(n.meta["custom"]["layer"], []).append(order[n])
     return order, gathers, mms
 
@@ -84,9 +85,9 @@ def test_backward_regathers_per_layer_and_reduces_as_each_layer_completes(fake_g
     bw = pm._step_runner.compiled.bw_graph
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     colls = collectives(bw)
-    gathers = [n for n in colls if op_short(n.target).startswith("all_gather") and _layer(n) is not None]
+    gathers = [n for n in colls if op_name(n.target).startswith("all_gather") and _layer(n) is not None]
     assert sorted(_layer(n) for n in gathers) == [0, 1, 2, 3], "reshard after forward: each layer gathered again"
-    reduces = [order[n] for n in colls if op_short(n.target) == "reduce_scatter_tensor"]
+    reduces = [order[n] for n in colls if op_name(n.target) == "reduce_scatter_tensor"]
     # One reduce-scatter per layer plus the parameters outside the layers (embedding, norm + head),
     # spread through the backward rather than bunched at its end.
     assert 4 <= len(reduces) <= 6
@@ -125,7 +126,7 @@ def test_liveness_counts_views_and_waits_once(fake_group):
     by_storage = {}
     for n in fw.graph.nodes:
         v = n.meta.get("val")
-        if n.op == "call_function" and isinstance(v, torch.Tensor) and op_short(n.target) not in ("wait_tensor",):
+        if n.op == "call_function" and isinstance(v, torch.Tensor) and op_name(n.target) not in ("wait_tensor",):
             by_storage.setdefault(v.untyped_storage()._cdata, v.untyped_storage().nbytes())
     assert walked.peak_bytes <= sum(by_storage.values())
     assert walked.peak_bytes > 0

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from autopar.capture import op_name
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -96,24 +97,19 @@ def _op_diff(before: torch.fx.GraphModule, after: torch.fx.GraphModule) -> str:
 
 
 def count_ops(gm: torch.fx.GraphModule) -> Counter:
-    return Counter(op_short(n.target) for n in gm.graph.nodes if n.op == "call_function")
-
-
-def op_short(target: Any) -> str:
-    packet = getattr(target, "overloadpacket", None)
-    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+    return Counter(op_name(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
 def collectives(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The collective nodes of a graph, in order."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and op_short(n.target) in COLLECTIVES]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and op_name(n.target) in COLLECTIVES]
 
 
 def collective_record(n: torch.fx.Node) -> dict:
     """kind, group size, bytes and dtype (of the result) and origin of one collective node."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    kind = op_short(n.target).removesuffix("_coalesced")  # a bucket: one collective on the wire
+    kind = op_name(n.target).removesuffix("_coalesced")  # a bucket: one collective on the wire
     group = n.args[-1]
     size = None
     try:
