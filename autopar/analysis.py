@@ -739,9 +739,9 @@ _PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of 
     _aten.t.default, _aten.transpose.int, _aten.view.default, _aten._unsafe_view.default,
     _aten.reshape.default, _aten._to_copy.default, _aten.alias.default, _aten.detach.default,
 }
-_FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
+FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
                   _aten.clone.default, _aten._to_copy.default}
-_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
+SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
 _LOOKUPS = {_aten.embedding.default}
 
 
@@ -810,16 +810,16 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
             v = u.meta.get("val")
             if u.op != "call_function":
                 continue
-            if ((u.target in _FEATURE_VIEWS or u.target == _aten.unsqueeze.default) and isinstance(v, torch.Tensor)
+            if ((u.target in FEATURE_VIEWS or u.target == _aten.unsqueeze.default) and isinstance(v, torch.Tensor)
                     and v.dim() and v.shape[-1] == features):  # GPT-BigCode: c_attn(x).unsqueeze(1).split(...)
                 frontier.append(u)
-            elif u.target in _FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
+            elif u.target in FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
                 # The features viewed as (A, B, ...) (heads, or groups of heads): TP gives each rank a
                 # contiguous range of A, right when every index of A is treated alike.
                 reason = _head_view_reason(u, x.meta["val"].dim() - 1)
                 if reason:
                     return 1, reason
-            elif u.target in _SPLITS:
+            elif u.target in SPLIT_OPS:
                 dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
                 xv = x.meta["val"]
                 if dim % xv.dim() != xv.dim() - 1:
@@ -853,7 +853,7 @@ def _head_view_reason(view: torch.fx.Node, d: int) -> str:
             along = (u.args[1] if len(u.args) > 1 else 0) % view.meta["val"].dim() == d
         elif u.target == _aten.select.int:
             along = u.args[1] % view.meta["val"].dim() == d
-        elif u.target in _SPLITS:
+        elif u.target in SPLIT_OPS:
             along = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % view.meta["val"].dim() == d
         elif u.target == _aten.index.Tensor:
             idx = u.args[1]
@@ -893,7 +893,7 @@ def step_roles(sg) -> StepRoles:
         if n.target in _LOOKUPS and n.args[0] in pidx:
             residual.add(n)
             idx = n.args[1]
-            while isinstance(idx, torch.fx.Node) and idx.op == "call_function" and idx.target in _FEATURE_VIEWS:
+            while isinstance(idx, torch.fx.Node) and idx.op == "call_function" and idx.target in FEATURE_VIEWS:
                 idx = idx.args[0]  # the ids reshaped (GPT-2 views them as (-1, seq))
             if idx in inputs:
                 token_tables.add(pidx[n.args[0]])
@@ -965,7 +965,7 @@ def step_roles(sg) -> StepRoles:
         if lin.role not in ("column", "head"):
             continue
         chain, x = [lin.node], lin.act
-        while x.op == "call_function" and x.target in _FEATURE_VIEWS and len(x.users) == 1:
+        while x.op == "call_function" and x.target in FEATURE_VIEWS and len(x.users) == 1:
             chain.append(x)
             x = x.args[0]
         gather_points.setdefault(x, set()).update(chain)

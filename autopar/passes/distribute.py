@@ -29,13 +29,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
+from autopar.analysis import SPLIT_OPS
 from autopar.errors import AutoparError
 from autopar.passes import GATHERED_INPUT, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
 
 _aten = torch.ops.aten
-_SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
 
 
 @dataclass
@@ -179,7 +179,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
             if rules is not None and args and isinstance(args[0], DTensor):
-                if n.target in _SPLIT_OPS:
+                if n.target in SPLIT_OPS:
                     out = _local_split(args[0], n, args, tp_mesh)
                 elif n.target == _aten.slice.Tensor:
                     out = _local_slice(args[0], n, args, tp_mesh)

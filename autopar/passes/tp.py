@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.analysis import _FEATURE_VIEWS, StepRoles
+from autopar.analysis import FEATURE_VIEWS, StepRoles
 
 
 @dataclass
@@ -49,7 +49,7 @@ def placement_str(p) -> str:
 def _end_of_views(n: torch.fx.Node) -> torch.fx.Node:
     while len(n.users) == 1:
         (u,) = n.users
-        if u.op != "call_function" or u.target not in _FEATURE_VIEWS:
+        if u.op != "call_function" or u.target not in FEATURE_VIEWS:
             break
         n = u
     return n
