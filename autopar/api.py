@@ -572,7 +572,7 @@ def run_precision(model: nn.Module, mp_policy: Any, plan_arg: Any) -> RunPrecisi
             runs = ", ".join(f"{p.name} ({p.about})" for p in PRECISIONS.values() if not p.runs)
             raise AutoparError(
                 f"mp_policy {mp_policy} on {want[0]} parameters computes in {want[1]} and reduces gradients in "
-                f"{want[2]}, which is none of the precisions autopar plans: {runs}; e.g. "
+                f"{want[2]}, which is none of the precisions autopar runs: {runs}; e.g. "
                 "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
     else:
         raise AutoparError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or a precision name "

@@ -240,7 +240,7 @@ API_CASES = [
      TraceError, r"updates the buffer\(s\) bn.num_batches_tracked, bn.running_mean, bn.running_var.*LayerNorm"),
     # Mixed precision: what FSDP2 accepts but autopar does not plan, said in words; nothing converted.
     ("mp_reduce_in_bf16", lambda: (build("llama-tiny"), 1, {"mp_policy": _mp(torch.bfloat16, None)}), AutoparError,
-     r"computes in bfloat16 and reduces gradients in bfloat16, which is none of the precisions autopar plans: "
+     r"computes in bfloat16 and reduces gradients in bfloat16, which is none of the precisions autopar runs: "
      r"fp32 .*reduce_dtype=torch.float32"),
     ("mp_fp16", lambda: (build("llama-tiny"), 1, {"mp_policy": _mp(torch.float16, torch.float32)}), AutoparError,
      r"fp16-mixed is priced but not run: fp16 needs dynamic loss scaling.*bf16-mixed"),
