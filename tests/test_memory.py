@@ -44,7 +44,7 @@ def _build(kind: str, plan: dict):
     torch.manual_seed(0)
     model = zoo.build(kind)
     ids = torch.zeros((8, 32), dtype=torch.long)
-    return autopar.compile(model, WORLD, example_inputs=(ids,), plan={**plan, "mb": 2}, compile=False)
+    return autopar.compile(model, WORLD, example_inputs=(ids,), plan={**plan, "mb": 2})  # default options: Inductor on
 
 
 def _layer(n: torch.fx.Node) -> int | None:

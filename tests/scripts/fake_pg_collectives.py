@@ -1,5 +1,5 @@
 """On a fake process group: plan an 8B-shaped Llama (2 layers) with TP 8 x FSDP, apply the plan
-with the graph executor (compile=False: the graphs are what Inductor would compile), and print the
+with the graph executor (default options: Inductor compiles the graphs counted), and print the
 collectives counted from the forward and backward graphs beside the TP collectives the plan lists.
 Usage: fake_pg_collectives.py SP WORLD"""
 import collections
@@ -23,7 +23,7 @@ with torch.device("meta"):
     model = models.Llama(cfg).to(torch.bfloat16)
 model = model.to_empty(device="cpu")  # storage without initialisation: only shapes matter here
 ids = torch.randint(0, cfg.vocab_size, (dp, 256))
-pm = autopar.compile(model, world, example_inputs=(ids,), plan=pins, hardware="h100", compile=False)
+pm = autopar.compile(model, world, example_inputs=(ids,), plan=pins, hardware="h100")  # default options
 got = collections.Counter()
 for r in pm.info["collectives"]["step"]:
     got[f"{r['graph']}:{r['kind']}:{r['group_size']}:{r['pass']}"] += 1
