@@ -222,14 +222,13 @@ def make_context(
     precision: str = "bf16", memory_limit_gb: float | None = None, compiled: bool = True,
     async_tp: bool = False, fp8: bool = False,
 ) -> CostContext:
-    prec = precision_of(precision)
-    precision, fp8 = prec.name, fp8 or prec.float8
+    precision = precision_of(precision).name
     if global_batch is None:
         global_batch = default_global_batch(prof.seq_len, world)
     if global_batch < 1:
         raise AutoparError(f"global batch must be at least 1 sequence, got {global_batch}")
     hw = load_hardware(hardware)
-    if fp8 and not hw.float8:
+    if (fp8 or precision_of(precision).float8) and not hw.float8:
         raise AutoparError(f"{hw.name} has no float8 matmuls (H100 and newer do): choose bf16-mixed, or a hardware "
                            "profile with \"float8\": true")
     if memory_limit_gb is not None and memory_limit_gb <= 0:
@@ -472,12 +471,18 @@ def mesh_pins(mesh: Any) -> dict:
     return pins
 
 
+def _loaded(plan_arg: Any) -> Any:
+    """``plan`` as given, with a JSON path read into its Plan."""
+    if isinstance(plan_arg, str) and plan_arg != "auto" and ("=" not in plan_arg or os.path.exists(plan_arg)):
+        return Plan.load(plan_arg)
+    return plan_arg
+
+
 def _plan_argument(plan_arg: Any, from_mesh: dict) -> Plan | dict:
     """What the user passed as ``plan`` ("auto", pins as a dict or ``"tp=2,sp=1"``, a Plan or a
     JSON path) as a Plan or a dict of pins, with the mesh's pins added; a contradiction between
     the two is an error."""
-    if isinstance(plan_arg, str) and plan_arg != "auto" and ("=" not in plan_arg or os.path.exists(plan_arg)):
-        plan_arg = Plan.load(plan_arg)
+    plan_arg = _loaded(plan_arg)
     if isinstance(plan_arg, Plan):
         got = {"tp": plan_arg.tp, "pp": plan_arg.pp, "dp": plan_arg.dp, "dp_shard": plan_arg.dp_shard}
         if any(k in got and got[k] != v for k, v in from_mesh.items()):
@@ -551,15 +556,12 @@ def _dtype_name(d: torch.dtype | None) -> str | None:
 
 def run_precision(model: nn.Module, mp_policy: Any, plan_arg: Any) -> RunPrecision:
     """What ``compile`` runs: ``mp_policy`` (a ``MixedPrecisionPolicy`` or a precision name), else
-    the given plan's precision, else the parameters' own dtype. The parameters are never
+    the given plan's precision (``plan_arg`` read by ``_loaded``), else the parameters' own dtype. The parameters are never
     converted: the precision's master dtype must be theirs."""
     own = next((q.dtype for q in model.parameters() if q.is_floating_point()), torch.float32)
     output = None
     if mp_policy is None:
-        given = plan_arg
-        if isinstance(given, str) and given != "auto" and ("=" not in given or os.path.exists(given)):
-            given = Plan.load(given)
-        name = given.precision if isinstance(given, Plan) else model_precision(model)
+        name = plan_arg.precision if isinstance(plan_arg, Plan) else model_precision(model)
     elif isinstance(mp_policy, str):
         name = mp_policy
     elif hasattr(mp_policy, "param_dtype") and hasattr(mp_policy, "reduce_dtype"):
@@ -846,6 +848,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     # One capture: the training step is traced once; the planner analyses this graph and, when the
     # plan runs the whole batch at once, the executor runs it.
     loss_fn = loss_fn or capture.default_loss
+    plan = _loaded(plan)  # a plan file read once: its precision decides how the step is traced
     mixed = run_precision(model, mp_policy, plan)
     step = capture.trace_step(model, (ids,), target=torch.zeros_like(ids), loss_fn=loss_fn, name=type(model).__name__,
                               **mixed.trace_kw)

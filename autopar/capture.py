@@ -853,13 +853,15 @@ def trace_step(
 
 
 def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:
-    """The model's output with its floating-point tensors cast to ``dtype`` (a tensor, a tuple or
-    list, or an HF ``ModelOutput``, whose fields are set in place)."""
+    """The model's output with its floating-point tensors cast to ``dtype`` (a tensor, a tuple,
+    named tuple or list, or a mapping such as an HF ``ModelOutput``, whose fields are set in place)."""
     cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
     if isinstance(out, torch.Tensor):
         return cast(out)
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*map(cast, out))
     if isinstance(out, (tuple, list)):
-        return type(out)(map(cast, out)) if type(out) in (tuple, list) else out
+        return type(out)(map(cast, out))
     if hasattr(out, "items") and hasattr(out, "__setitem__"):
         for k, v in list(out.items()):
             out[k] = cast(v)

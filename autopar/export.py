@@ -37,6 +37,17 @@ def _ac(plan: Plan) -> tuple[str, list[str]]:
     return mode, notes
 
 
+def _precision_notes(plan: Plan, target: str, float8_how: str) -> list[str]:
+    """What the other framework runs differently from the plan's precision."""
+    prec = precision(plan.precision)
+    notes = []
+    if prec.param != "float32":
+        notes.append(f"{target} keeps fp32 master weights; this plan ({prec.name}) was priced without them")
+    if prec.float8 and float8_how:
+        notes.append(f"the plan was priced with float8 linears: {float8_how}")
+    return notes
+
+
 def _cp(plan: Plan) -> int:
     return int(plan.pins.get("cp", 1))
 
@@ -48,8 +59,7 @@ def _torchtitan(plan: Plan) -> str:
     if plan.pp > 1 and plan.schedule not in SCHEDULE_NAMES:
         raise AutoparError(f"torchtitan has no pipeline schedule {plan.schedule!r}")
     mode, notes = _ac(plan)
-    if precision(plan.precision).param != "float32":
-        notes.append(f"torchtitan keeps fp32 master weights; this plan ({plan.precision}) was priced without them")
+    notes += _precision_notes(plan, "torchtitan", "add \"float8\" to [model] converters (torchao)")
     replicate = plan.dp // plan.dp_shard if plan.fsdp else plan.dp
     shard = plan.dp_shard if plan.fsdp else 1
     lines = [f"# autopar plan for {plan.model_name} on {plan.world_size} x {plan.hardware}: "
@@ -102,8 +112,12 @@ def _megatron(plan: Plan) -> str:
     args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
             f"--context-parallel-size {_cp(plan)}", f"--micro-batch-size {plan.mb}",
             f"--global-batch-size {plan.global_batch}", f"--seq-length {plan.seq_len}"]
-    if plan.precision != "fp32":  # Megatron-LM's default; --bf16/--fp16 keep fp32 master weights
-        args.append(f"--{plan.precision.split('-')[0]}")
+    prec = precision(plan.precision)
+    if prec.compute != "float32":  # fp32 is Megatron-LM's default; --bf16/--fp16 keep fp32 master weights
+        args.append({"bfloat16": "--bf16", "float16": "--fp16"}[prec.compute])
+    if prec.float8:
+        args.append("--fp8-format hybrid")  # Transformer Engine's float8 linears
+    notes += _precision_notes(plan, "Megatron-LM", "")
     if plan.sp:
         args.append("--sequence-parallel")
     args.append(f"--num-layers {len(plan.layers)}")

@@ -94,3 +94,14 @@ def test_step_traced_as_mixed_precision_runs(kind):
     cast = capture.trace_step(m, (ids,), param_dtype=torch.bfloat16, output_dtype=torch.float32)
     assert [v.dtype for v in output_values(cast)] == [torch.float32]
     assert all(p.dtype == torch.float32 for p in m.parameters())  # the module is not converted
+
+
+def test_output_dtype_casts_every_output_form():
+    import collections
+
+    Out = collections.namedtuple("Out", "logits aux")
+    x, ids = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.long)
+    got = capture._cast_outputs(Out(x, ids), torch.float32)
+    assert isinstance(got, Out) and got.logits.dtype == torch.float32 and got.aux.dtype == torch.long
+    assert [t.dtype for t in capture._cast_outputs([x, ids], torch.float32)] == [torch.float32, torch.long]
+    assert capture._cast_outputs({"logits": x}, torch.float32)["logits"].dtype == torch.float32

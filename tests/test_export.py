@@ -118,3 +118,20 @@ def test_plot_follows_the_schedule_and_the_predicted_memory(plans, name, tmp_pat
     p.save(str(f))
     assert cli.main(["show", str(f), "--plot", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("prec,titan,megatron", [
+    ("bf16-mixed", ("bfloat16", "float32"), {"--bf16"}), ("fp32", ("float32", "float32"), set()),
+    ("bf16-true", ("bfloat16", "bfloat16"), {"--bf16"}), ("float8", ("bfloat16", "float32"), {"--bf16", "--fp8-format"})])
+def test_precision_exported_as_each_framework_names_it(prec, titan, megatron):
+    """The plan's precision in the other framework's terms: torchtitan's mixed_precision_param and
+    _reduce, Megatron-LM's --bf16 (fp32 masters) and float8 flag; what they run otherwise is a note."""
+    p = api.estimate_plan("llama3-8b", 64, PLANS["fsdp_tp_sp"], precision=prec)[0]
+    text = export(p, "torchtitan")
+    tr = tomllib.loads(text)["training"]
+    assert (tr["mixed_precision_param"], tr["mixed_precision_reduce"]) == titan
+    assert ("keeps fp32 master weights" in text) == (prec == "bf16-true")
+    assert ("float8" in text.split("[training]")[0]) == (prec == "float8")
+    m = export(p, "megatron")
+    assert {k for k in _megatron_args(m) if k in ("--bf16", "--fp16", "--fp8-format")} == megatron
+    assert ("keeps fp32 master weights" in m) == (prec == "bf16-true")

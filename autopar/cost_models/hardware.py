@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from autopar.errors import AutoparError
+from autopar.plan import precision as precision_of
 
 DEFAULT_EFFICIENCY = {
     "matmul": 0.62,
@@ -87,8 +88,7 @@ class Hardware:
 
     def peak(self, compute: str | None) -> float:
         """TFLOP/s of matmuls computed in ``compute`` (a torch dtype name; None: the profile's own)."""
-        own = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.precision, self.precision)
-        if compute == "float32" and own != "float32" and self.peak_tflops_fp32:
+        if compute == "float32" and precision_of(self.precision).compute != "float32" and self.peak_tflops_fp32:
             return self.peak_tflops_fp32
         return self.peak_tflops
 

@@ -188,6 +188,11 @@ class CostContext:
         return precision_of(self.precision)
 
     @property
+    def float8(self) -> bool:
+        """Linears' matmuls in float8: the precision's, or a published run's (``fp8``)."""
+        return self.fp8 or self.prec.float8
+
+    @property
     def bytes_scale(self) -> float:
         return self.act_bytes / self.model.dtype_bytes
 
@@ -290,7 +295,7 @@ class StageModel:
     def _layer(self, b: BlockProfile) -> LayerCoeffs:
         ctx, cfg = self.ctx, self.cfg
         tp, mb, sp = cfg.tp, self.tokens, cfg.sp
-        ct = self._times(b.costs, mb, tp, sp, ctx.fp8 or ctx.prec.float8)
+        ct = self._times(b.costs, mb, tp, sp, ctx.float8)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         saved = getattr(b, "saved_partitioned", None) if ctx.activations == "partitioned" else None
         saved = saved or b.saved
@@ -549,9 +554,10 @@ class StageModel:
         prec = self.ctx.prec
         if cfg.shard > 1 and prec.reduce != prec.compute and not cfg.fsdp_once:
             # One bucket's gradients cast to the reduce dtype for their reduce-scatter, as FSDP2's.
-            bucket = max([c.working_param] + [self.outer[n]["working"] for n, on in (("pre", r == 0),
-                                                                                   ("post", r == self.post_rank)) if on])
-            working += bucket / self.ctx.act_bytes * self.ctx.reduce_bytes
+            buckets = [c.working_param]
+            buckets += [self.outer["pre"]["working"]] if r == 0 else []
+            buckets += [self.outer["post"]["working"]] if r == self.post_rank else []
+            working += max(buckets) / self.ctx.act_bytes * self.ctx.reduce_bytes
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,
@@ -616,7 +622,8 @@ class StageModel:
         ranks = [self.rank_params(r) for r in range(self.cfg.pp)] if self.cfg.pp > 1 else [self.rank_params(0)]
         p = max(ranks)
         # AdamW reads param, grad, two states and writes param and two states: 7 master-dtype values.
-        return p / self.cfg.shard * 7 * self.ctx.prec.bytes("param") / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
+        moved = p / self.cfg.shard * 7 * self.ctx.prec.bytes("param")
+        return moved / (self.ctx.hw.memory_bandwidth_gbps * 1e9 * self.ctx.hw.eff("memory"))
 
     def rank_params(self, r: int) -> float:
         """Local parameter elements of rank ``r`` under a balanced split."""
