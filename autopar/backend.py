@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+# Importing overlap also registers autopar::copy_out, which the compiled graphs call.
+from autopar.passes.overlap import schedule
+
 log = logging.getLogger(__name__)
 
 
@@ -190,8 +193,6 @@ def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_wei
     t0 = time.perf_counter()
     fw, bw = partition(joint, n_outputs)
     if dp is not None:  # passes/overlap.py: per-layer buckets, gathered at use, prefetched
-        from autopar.passes.overlap import schedule
-
         kw = dict(param_layer=dp.param_layer, dp_groups=dp.groups, prefetch=dp.prefetch, merge=dp.merge)
         fw = schedule(fw, grad_param=[], **kw)
         bw = schedule(bw, grad_param=dp.grad_param, **kw)

@@ -102,7 +102,7 @@ def executed_memory(build, plan: Plan) -> dict:
 
     def walk(ac: list[str]) -> tuple[memory.Liveness, int]:
         pm = _compile(build, plan, len(ac), ac, dtype=dtype, batch=plan.dp * plan.mb)
-        live = memory.step_liveness(pm._step_runner.compiled, M)
+        live = memory.step_liveness(pm._step_runner.compiled, M, gradients=False)  # they are states
         held = sum(int(getattr(q, "_local_tensor", q).nbytes) for q in pm.parameters())
         del pm
         gc.collect()

@@ -86,7 +86,8 @@ def _vals(n: torch.fx.Node) -> list:
 
 
 _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_with_sizes", "split", "getitem",
-             "t", "permute", "transpose", "expand", "slice", "alias", "_to_copy", "convert_element_type"}
+             "t", "permute", "transpose", "expand", "slice", "alias", "_to_copy", "convert_element_type",
+             "copy_out"}  # copy_out: passes/overlap.py's copy of each parameter out of a gathered bucket
 
 
 def _copies_gathered(n: torch.fx.Node, refs: dict, kind: dict) -> bool:
@@ -97,9 +98,14 @@ def _copies_gathered(n: torch.fx.Node, refs: dict, kind: dict) -> bool:
     return bool(ins) and op_name(n.target) in _COPY_OPS and all(kind.get(k) == "gathered parameters" for k in ins)
 
 
-def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: bool = False) -> GraphLiveness:
+def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: bool = False,
+                   preheld: frozenset = frozenset(), count_outputs: bool = True) -> GraphLiveness:
     """Walk ``gm`` in order. ``held``: bytes alive throughout (carried from an earlier graph);
-    ``count_inputs``: whether the placeholders' buffers are this walk's to count (alive to the end)."""
+    ``count_inputs``: whether the placeholders' buffers are this walk's to count (alive to the end);
+    ``preheld``: names of placeholders the rank holds before the step (parameter shards, buffers,
+    the batch, which the forward hands on to the backward), never counted; ``count_outputs``:
+    whether the buffers this graph makes and returns are counted (False: the backward's gradient
+    shards, which the cost model prices among the states the rank holds)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     (out_node,) = [n for n in nodes if n.op == "output"]
@@ -127,7 +133,7 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
             keys.append(k)
             if k not in size:
                 size[k] = _nbytes(v)
-                kind[k] = "input" if n.op == "placeholder" else "other"
+                kind[k] = ("preheld" if n.name in preheld else "input") if n.op == "placeholder" else "other"
                 last[k] = order[n]
         refs[n] = keys
         if n.op == "call_function" and (n.target in _GATHERS or _copies_gathered(n, refs, kind)):
@@ -152,10 +158,11 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     for n in nodes:
         for k in refs[n]:
             first.setdefault(k, order[n])
+    returned = set() if count_outputs else {k for a in outs for k in refs.get(a, []) if kind[k] == "other"}
     starts: dict = {}
     frees: dict = {}
     for k in size:
-        if kind[k] == "input" and not count_inputs:
+        if kind[k] == "preheld" or (kind[k] == "input" and not count_inputs) or k in returned:
             continue
         s = 0 if kind[k] == "input" else first[k]
         starts.setdefault(s, []).append(k)
@@ -181,7 +188,8 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     for k in peak_set:
         kinds[kind[k]] = kinds.get(kind[k], 0) + size[k]
     buffers = sorted(((size[k], maker[k]) for k in peak_set), reverse=True)
-    out_keys = {k for a in outs for k in refs.get(a, []) if not (kind[k] == "input" and not count_inputs)}
+    out_keys = {k for a in outs for k in refs.get(a, [])
+                if kind[k] != "preheld" and not (kind[k] == "input" and not count_inputs) and k not in returned}
     out_kinds: dict = {}
     for k in out_keys:
         out_kinds[kind[k]] = out_kinds.get(kind[k], 0) + size[k]
@@ -189,14 +197,19 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
                          sum(size[k] for k in out_keys), curve, buffers, out_kinds)
 
 
-def step_liveness(compiled, microbatches: int = 1) -> Liveness:
+def step_liveness(compiled, microbatches: int = 1, gradients: bool = True) -> Liveness:
     """The step's peak from its compiled graphs (``backend.CompiledStep``): the forward, then the
     backward, which starts with what the forward saved and frees each saved value at its last
-    use (the runtime hands the saved values to the boxed graph, which owns them)."""
+    use (the runtime hands the saved values to the boxed graph, which owns them).
+    ``gradients=False``: without the gradient shards the backward returns (and earlier
+    microbatches' held ones), the part of the step the cost model prices apart from its states."""
     fw = graph_liveness(compiled.fw_graph)
-    bw = graph_liveness(compiled.bw_graph, count_inputs=True)
+    # The forward's inputs it saves for the backward (parameter shards, the batch) are the rank's
+    # before the step: the backward receives them under the same placeholder names.
+    inputs = frozenset(n.name for n in compiled.fw_graph.graph.find_nodes(op="placeholder"))
+    bw = graph_liveness(compiled.bw_graph, count_inputs=True, preheld=inputs, count_outputs=gradients)
     grads = bw.out_bytes
-    carried = grads if microbatches > 1 else 0  # earlier microbatches' gradients, held
+    carried = grads if microbatches > 1 and gradients else 0  # earlier microbatches' gradients, held
     f_peak, b_peak = fw.peak_bytes + carried, bw.peak_bytes + carried
     g = fw if f_peak >= b_peak else bw
     kinds = {("saved for backward" if k == "input" else k): v for k, v in g.peak_kinds.items() if k != "held"}
@@ -206,12 +219,13 @@ def step_liveness(compiled, microbatches: int = 1) -> Liveness:
                     grads, {k: v for k, v in kinds.items() if v}, fw, bw)
 
 
-def step_peak(pm) -> Liveness:
-    """The liveness peak of a ``ParallelModule``'s training step (non-pipelined plans)."""
+def step_peak(pm, gradients: bool = True) -> Liveness:
+    """The liveness peak of a ``ParallelModule``'s training step (non-pipelined plans);
+    ``gradients``: as in ``step_liveness``."""
     from autopar.errors import AutoparError
 
     runner = getattr(pm, "_step_runner", None)
     if runner is None:
         raise AutoparError("the liveness peak is computed for plans without pipeline stages (pp=1)")
     p = pm.plan
-    return step_liveness(runner.compiled, max(1, p.global_batch // (p.dp * p.mb)))
+    return step_liveness(runner.compiled, max(1, p.global_batch // (p.dp * p.mb)), gradients)

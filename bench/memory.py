@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.common import allocator_peak_mib, spawn_ranks, write
+from bench.common import allocator_peaks, spawn_ranks, write
 
 HIDDEN, FFN, HEADS, VOCAB = 1024, 4096, 16, 512
 BATCH, SEQ = 4, 256  # global: each data-parallel rank runs its share in one microbatch
@@ -165,7 +165,7 @@ def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
                 times[side].append(time.perf_counter() - t0)
     for side, (fn, _) in sides.items():
         clear()
-        out[f"{side}_alloc_mib"] = allocator_peak_mib(fn)
+        out[f"{side}_alloc_gloo_mib"], out[f"{side}_alloc_mib"] = allocator_peaks(fn)
         clear()
         out[f"{side}_rss_mib"] = resident_peak_mib(fn)
         out[f"{side}_s"] = statistics.median(times[side])
@@ -206,6 +206,7 @@ def main(argv=None) -> int:
                 if k.endswith(("_mib", "_s")):
                     row[k] = max(x[k] for x in per)  # the worst rank
             row["alloc_ratio"] = row["autopar_alloc_mib"] / row["fsdp2_alloc_mib"]
+            row["alloc_gloo_ratio"] = row["autopar_alloc_gloo_mib"] / row["fsdp2_alloc_gloo_mib"]
             row["rss_ratio"] = row["autopar_rss_mib"] / row["fsdp2_rss_mib"]
             row["time_ratio"] = row["autopar_s"] / row["fsdp2_s"]
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
     partial = bool(args.only) or args.layers != "8,16"
     stem = "memory" + (f"_{args.mp.replace('-', '_')}" if args.mp else "")
     write(stem + "_partial" if partial else stem, rows, summary,
-          ["name", "layers", "plan", "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_rss_mib",
+          ["name", "layers", "plan", "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_alloc_gloo_mib",
+           "fsdp2_alloc_gloo_mib", "alloc_gloo_ratio", "autopar_rss_mib",
            "fsdp2_rss_mib", "rss_ratio", "liveness_mib", "autopar_s", "fsdp2_s", "time_ratio", "loss_diff",
            "autopar_setup_s"],
           "One step's peak memory: autopar vs FSDP2 (fully_shard per block), CPU gloo")

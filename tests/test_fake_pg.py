@@ -24,6 +24,11 @@ def test_collectives_in_the_graph(sp, world):
     fwd_ag = sum(v for k, v in got.items() if k.startswith("forward:all_gather_into_tensor") and k.endswith(":8:fsdp"))
     bwd_rs = got["backward:reduce_scatter_tensor:8:fsdp"]
     assert layers <= fwd_ag <= layers + 3 < params and layers <= bwd_rs <= layers + 3
+    if world == 256:
+        # HSDP (4 replicas of 8 shards): each bucket's gradient reduce-scattered over its shard
+        # group, then only the shard all-reduced over the replicas, as the plan prices it.
+        assert got["backward:all_reduce:4:ddp"] == bwd_rs
+        assert d["bytes"]["backward:all_reduce:4:ddp"] == d["bytes"]["backward:reduce_scatter_tensor:8:fsdp"]
     tp_gathers = sum(v for k, v in got.items() if k.endswith("all_gather_into_tensor:8:tp"))
     if sp:
         # Column inputs gathered (2 per layer + head), the logits never (loss parallelism: three

@@ -149,26 +149,26 @@ def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
                         global_batch=8, precision="fp32")
     ex = inspect_graph.executed_memory(build, plan)
     pm = inspect_graph._compile(build, plan, 4, dtype=torch.float32, batch=8)
-    direct = memory.step_peak(pm).peak_bytes
+    direct = memory.step_peak(pm, gradients=False).peak_bytes
     assert ex["step_peak"] == pytest.approx(direct, rel=0.02)
 
 
-@pytest.mark.parametrize("pin,tol", [("dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1", 0.10),
-                                     # Under AC the executed step holds 23% (full) and 29% (selective,
-                                     # TP + SP) more than priced at this size (bf16-mixed; 17% and 24%
-                                     # in bf16 throughout), where what the cost model leaves out is a
-                                     # larger share than at llama3-70b on 256 GPUs (8%): an open gap,
-                                     # held here so that it cannot grow.
-                                     ("dp=4,fsdp=1,tp=1,pp=1,ac=full,mb=1", 0.25),
-                                     ("tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=selective,mb=1", 0.31)])
-def test_executed_memory_is_what_the_plan_priced(fake_group, pin, tol):
+# At this size the prediction is 8-11% above the executed step: it adds a working set (two layers'
+# gathered weights, one bucket of fp32 gradients) to the peak activations, where the executed peak
+# (the start of the backward) holds less; at llama3-8b/64 and llama3-70b/256 (``explain --graph``)
+# the two are within 5.3%.
+@pytest.mark.parametrize("pin", ["dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1", "dp=4,fsdp=1,tp=1,pp=1,ac=full,mb=1",
+                                 "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=selective,mb=1"])
+def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
     """What ``explain --graph`` prints: the executed graphs' step peak (gathered parameters,
-    activations, gradients in flight) against the cost model's prediction of the same parts, in
-    bf16-mixed (fp32 masters, bf16 compute, fp32 gradient reduction) on llama-small (8 layers)."""
+    activations, gradients in flight; the gradient shards are states, priced apart) against the
+    cost model's prediction of the same parts, in bf16-mixed (fp32 masters, bf16 compute, fp32
+    gradient reduction) on llama-small (8 layers), for FSDP, FSDP with full AC and TP + SP with
+    selective AC."""
     from autopar import inspect_graph, models
 
     plan = autopar.plan("llama-small", WORLD, pin=pin, hardware="h100", global_batch=8)
     ex = inspect_graph.executed_memory(lambda: models.Llama(models.PRESETS["llama-small"]), plan)
     pred = plan.predicted["memory_breakdown_gb"]
     predicted = (pred["unsharded_params"] + pred["activations"]) * 2**30
-    assert ex["step_peak"] == pytest.approx(predicted, rel=tol), (ex["per_layer"], pred)
+    assert ex["step_peak"] == pytest.approx(predicted, rel=0.12), (ex["per_layer"], pred)

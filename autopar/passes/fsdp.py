@@ -12,6 +12,7 @@ autograd's backward of that read is the gradient's reduce-scatter (FSDP), all-re
 from __future__ import annotations
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
@@ -39,6 +40,17 @@ def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple
     FSDP2's ``param_dtype``/``reduce_dtype``): the shard is cast before its gather, so the gather
     moves compute-dtype bytes; the gradient is cast to ``reduce`` before its reduction and lands in
     the shard's own dtype."""
+    names = dp_mesh.mesh_dim_names
+    replicas = [n for n, p in zip(names, dp_pls) if not isinstance(p, Shard)]
+    if replicas and len(replicas) < len(names):
+        # HSDP: the shard is read on the replica dims first, so that autograd, which reduces in
+        # the reverse order, reduce-scatters the gradient over dp_shard and then all-reduces only
+        # the shard over dp_replicate (FSDP2's order: 1/dp_shard of the bytes on the replicas).
+        with fx_traceback.annotate({"pass": "ddp"}):
+            local = _replicated(local, dp_mesh[replicas[0] if len(replicas) == 1 else tuple(replicas)])
+        kept = [(n, p) for n, p in zip(names, dp_pls) if isinstance(p, Shard)]
+        dp_mesh = dp_mesh[kept[0][0] if len(kept) == 1 else tuple(n for n, _ in kept)]
+        dp_pls = [p for _, p in kept]
     stride = torch.empty(tp_local_shape, device="meta").stride()
     d = DTensor.from_local(local, dp_mesh, dp_pls, run_check=False, shape=torch.Size(tp_local_shape), stride=stride)
     whole = [Replicate()] * len(dp_pls)
@@ -47,3 +59,10 @@ def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple
         d = d.redistribute(dp_mesh, whole, forward_dtype=compute if mixed else None,
                            backward_dtype=reduce if mixed else None)
     return d.to_local(grad_placements=[Partial("sum")] * len(dp_pls))
+
+
+def _replicated(local: torch.Tensor, mesh) -> torch.Tensor:
+    """``local`` unchanged; its gradient all-reduced over ``mesh``."""
+    n = mesh.ndim
+    return DTensor.from_local(local, mesh, [Replicate()] * n, run_check=False).to_local(
+        grad_placements=[Partial("sum")] * n)

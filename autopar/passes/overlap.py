@@ -195,16 +195,32 @@ def _merge_gather(g: torch.fx.Graph, b: Bucket) -> tuple[torch.fx.Node, torch.fx
 
 def _gather_flat(ins: list, group: str, size: int, dtype: torch.dtype) -> list:
     """The bucket's gather, traced into the graph: the shards concatenated, one out-of-place
-    all-gather, each parameter's rows taken back out. Out of place, because Inductor keeps an
-    out-of-place collective's input alive until its wait, which it does not do for the input of
+    all-gather, each parameter copied out of the flat buffer at once (``copy_out``), so the flat
+    buffer is freed there. Out of place, because Inductor keeps an out-of-place collective's
+    input alive until its wait, which it does not do for the input of
     ``all_gather_into_tensor_out`` (with a prefetched gather in flight, it reused that buffer).
     Not the coalesced all-gather, whose outputs would need no copy: compiled by Inductor it left
     every layer's gathered weights resident (measured with bench/memory.py: twice FSDP2's step
     peak at 8 and 16 layers, where the liveness of the same graphs is FSDP2's)."""
     flat = torch.cat([x.reshape(-1).to(dtype) for x in ins])
     out = _WAIT(_GATHER(flat, size, group)).reshape(size, -1)
-    parts = out.split([x.numel() for x in ins], dim=1)
-    return [p.reshape((x.shape[0] * size, *x.shape[1:])) for p, x in zip(parts, ins)]
+    parts = torch.ops.autopar.copy_out(out, [x.numel() for x in ins])
+    return [p.view((x.shape[0] * size, *x.shape[1:])) for p, x in zip(parts, ins)]
+
+
+@torch.library.custom_op("autopar::copy_out", mutates_args=())
+def copy_out(gathered: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    """Each parameter's block ``(ranks, numel)`` of a gathered flat buffer ``(ranks, total)``,
+    copied out contiguous, all in one op (FSDP2's all-gather copy-out). One opaque op, because
+    Inductor would otherwise fuse each parameter's copy (or a small parameter's read) into the
+    kernel that uses it, and a norm weight read by the next layer's first fused kernel kept the
+    whole flat buffer alive across the next gather: three layers' weights at once."""
+    return list(torch.split_with_sizes_copy(gathered, numels, dim=1))
+
+
+@copy_out.register_fake
+def _(gathered: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    return [gathered.new_empty((gathered.shape[0], n)) for n in numels]
 
 
 def _prefetch(g: torch.fx.Graph, buckets: list[tuple[torch.fx.Node, torch.fx.Node]], depth: int) -> None:

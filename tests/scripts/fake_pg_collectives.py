@@ -24,10 +24,11 @@ with torch.device("meta"):
 model = model.to_empty(device="cpu")  # storage without initialisation: only shapes matter here
 ids = torch.randint(0, cfg.vocab_size, (dp, 256))
 pm = autopar.compile(model, world, example_inputs=(ids,), plan=pins, hardware="h100")  # default options
-got = collections.Counter()
+got, nbytes = collections.Counter(), collections.Counter()
 for r in pm.info["collectives"]["step"]:
     got[f"{r['graph']}:{r['kind']}:{r['group_size']}:{r['pass']}"] += 1
+    nbytes[f"{r['graph']}:{r['kind']}:{r['group_size']}:{r['pass']}"] += r["bytes"]
 want = collections.Counter()
 for c in pm.plan.collectives:
     want[f"{c['group']}:{c['kind']}:{int(c['bytes'])}"] += c["count"] // pm.plan.n_microbatches
-print(json.dumps({"got": dict(got), "plan": dict(want), "placements": pm.plan.placements[:12]}))
+print(json.dumps({"got": dict(got), "bytes": dict(nbytes), "plan": dict(want), "placements": pm.plan.placements[:12]}))
