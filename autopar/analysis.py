@@ -2,18 +2,14 @@
 
 For each distinct block graph (see ``capture``):
 
-- **Linears.** A matmul node one of whose operands is, through view/cast ops, a 2-D parameter
-  placeholder, is a linear layer with that weight.
-- **Column/row pairs.** For a linear ``L`` let ``closure(L)`` be the nodes reachable backwards from
-  its activation operand without passing through another linear or a placeholder. If the closure
-  reaches the block's hidden-state input, ``L`` reads the residual stream: a *column* candidate
-  (attention q/k/v, MLP gate/up). Otherwise, if every linear at the edge of the closure is a column
-  linear, ``L`` is a *row* linear paired with them (attention output, MLP down). Any other linear
-  stays replicated. This finds Megatron's pairs on any model, with no names involved.
+- **Linears and their roles** (column, row, replicated) come from ``roles.find_roles`` run on
+  the block's graph with its hidden-state inputs as the residual stream: the finder the executor
+  runs on the step graph, so what is priced here is what it shards. Megatron's pairs are found on
+  any model, with no names involved.
 - **Heads.** A column output reshaped to ``(..., n, d)`` with ``n*d == out_features`` has ``n``
   heads; tensor parallelism of degree ``t`` needs ``t | n`` for every such ``n`` (query heads, KV
   heads) and ``t | out_features`` for the rest.
-- **Regions.** Nodes in a row's closure, and the paired linears themselves, are in the *TP region*:
+- **Regions.** The nodes from a row's columns to it, and the paired linears, are in the *TP region*:
   their FLOPs, bytes and saved activations divide by ``t``. The rest (norms, residual adds) is the
   *sequence region*: replicated under plain TP, divided by ``t`` with sequence parallelism.
 - **Saved activations per AC mode** (bytes for one sequence of length ``s``):
@@ -44,6 +40,7 @@ if TYPE_CHECKING:
     import sympy
 
 from autopar.capture import VIEW_OPS, BlockTrace, ModelTrace, op_flops, op_name, tensor_bytes
+from autopar.roles import find_roles
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 ATTENTION_OPS = {
@@ -316,103 +313,29 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     tensor_ph = placeholders[n_params:]
     hidden_ph = {tensor_ph[i].name for i in bt.hidden_input_idx if i < len(tensor_ph)}
 
-    import networkx as nx  # here, not at import: a cached profile never needs it
-
-    g = nx.DiGraph()
-    for n in gm.graph.nodes:
-        g.add_node(n.name)
-        for a in n.all_input_nodes:
-            g.add_edge(a.name, n.name)
-
-    # Linears: matmul nodes with a 2-D parameter operand.
+    # The roles (column, row, replicated) from the one role finder, the executor's; here only priced.
+    found = find_roles(gm, {placeholders[i]: i for i in range(n_params)},
+                       [n for n in tensor_ph if n.name in hidden_ph])
     linears: dict[str, Linear] = {}
-    act_input: dict[str, str] = {}
     bias_of: dict[str, str] = {}
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or op_name(n.target) not in MATMUL_OPS:
-            continue
-        operands = [a for a in n.args if isinstance(a, torch.fx.Node)]
-        w = [a for a in operands if _strip_views(a).name in param_of and len(bt.param_shapes[param_of[_strip_views(a).name]]) == 2]
-        acts = [a for a in operands if _strip_views(a).name not in param_of]
-        if len(w) != 1 or not acts:
-            continue
-        wname = param_of[_strip_views(w[0]).name]
-        # The weight as the matmul sees it is (in, out): nn.Linear stores (out, in) and
-        # transposes; HF Conv1D stores (in, out) directly.
-        wv = _val(w[0])
-        in_f, out_f = (int(wv.shape[-2]), int(wv.shape[-1])) if wv is not None else bt.param_shapes[wname][::-1]
-        linears[n.name] = Linear(n.name, wname, in_f, out_f)
-        linears[n.name].transposed_storage = tuple(bt.param_shapes[wname]) == (out_f, in_f)
-        act_input[n.name] = acts[-1].name
-        for a in operands:
-            base = _strip_views(a).name
-            if base in param_of and len(bt.param_shapes[param_of[base]]) == 1:
-                bias_of[n.name] = param_of[base]
-
-    def closure(lin: str) -> set[str]:
-        seen, stack = set(), [act_input[lin]]
-        while stack:
-            x = stack.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            if x in linears or nodes[x].op == "placeholder":
-                continue
-            stack.extend(g.predecessors(x))
-        return seen
-
-    def is_fused(lin: str) -> bool:
-        # A fused projection (QKV in one matmul) splits its output's feature dim into several
-        # tensors before any reshape into heads; contiguous column shards of it would mix q, k, v.
-        out_f = linears[lin].out_features
-        frontier, slices = [lin], 0
-        for _ in range(4):
-            nxt = []
-            for x in frontier:
-                for u in g.successors(x):
-                    un = nodes[u]
-                    if un.op != "call_function":
-                        continue
-                    name = op_name(un.target)
-                    v = _val(un)
-                    if name in ("split", "split_with_sizes", "chunk", "unbind", "slice"):
-                        dim = un.args[1] if len(un.args) > 1 else un.kwargs.get("dim", 0)
-                        src = _val(un.args[0])
-                        if src is not None and isinstance(dim, int) and dim % src.dim() == src.dim() - 1:
-                            if name != "slice":
-                                return True
-                            slices += 1
-                    elif name in ("view", "_unsafe_view", "reshape") and v is not None and v.shape[-1] == out_f:
-                        nxt.append(u)
-            frontier = nxt
-        return slices >= 2
-
-    closures = {lin: closure(lin) for lin in linears}
-    for lin, cl in closures.items():
-        # A column the executor cannot shard (``_split_parts``: e.g. multi-query QKV) stays
-        # replicated here too, and so does the row that reads it.
-        if cl & hidden_ph and not _split_parts(nodes[lin], linears[lin].out_features)[1]:
-            # Fused projections (QKV, gate/up) are columns too: the executor splits them in
-            # interleaved parts (each rank its own heads of q, k and v); (in, out) weights (HF
-            # Conv1D) are split along their output dim like any other.
-            linears[lin].fused = is_fused(lin)
-            linears[lin].role = "column"
+    for gl in found.linears:
+        wname = bt.param_names[gl.weight]
+        shape = bt.param_shapes[wname]
+        in_f, out_f = int(shape[1 - gl.out_dim]), int(shape[gl.out_dim])
+        lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
+        # nn.Linear stores its weight (out, in) and transposes it; HF Conv1D stores (in, out).
+        lin.transposed_storage = tuple(shape) == (out_f, in_f)
+        if gl.role in ("column", "row"):
+            lin.role = gl.role
+        lin.fused = gl.role == "column" and gl.parts > 1  # split in interleaved parts (q, k, v)
+        if gl.bias is not None:
+            bias_of[lin.node] = bt.param_names[gl.bias]
+    weight_of = {gl.node: bt.param_names[gl.weight] for gl in found.linears}
     tp_nodes: set[str] = set()
-    for lin, cl in closures.items():
-        if linears[lin].role == "column":
-            continue
-        edge = [x for x in cl if x in linears and x != lin]
-        if edge and all(linears[e].role == "column" for e in edge):
-            linears[lin].role = "row"
-            linears[lin].partners = tuple(sorted(linears[e].weight for e in edge))
-            tp_nodes |= {x for x in cl if nodes[x].op != "placeholder"} | {lin}
-            tp_nodes |= set(edge)
-    # A column linear without a row partner cannot be sharded on its own.
-    partnered = {p for l in linears.values() for p in l.partners}
-    for l in linears.values():
-        if l.role == "column" and l.weight not in partnered:
-            l.role = "replicated"
-            tp_nodes.discard(l.node)
+    for row, cols in found.columns_of.items():
+        linears[row.name].partners = tuple(sorted(weight_of[c] for c in cols))
+        tp_nodes |= {x.name for x in found.region[row] if x.op != "placeholder"} | {row.name}
+        tp_nodes |= {c.name for c in cols}
 
     # Heads: a column output viewed as (..., n, d...) with n*prod(d...) == out_features: n heads
     # (or groups of heads, as Falcon's (kv groups, q per group + 2, head dim)), which TP divides.
@@ -423,8 +346,7 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         while frontier and l.heads is None and depth < 6:
             nxt = []
             for x in frontier:
-                for u in g.successors(x):
-                    un = nodes[u]
+                for un in nodes[x].users:
                     if un.op != "call_function" or op_name(un.target) not in VIEW_OPS:
                         continue
                     v = _val(un)
@@ -432,7 +354,7 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
                     if n is not None:
                         l.heads = n
                         break
-                    nxt.append(u)
+                    nxt.append(un.name)
             frontier, depth = nxt, depth + 1
 
     tp_div: dict[str, int] = {}
@@ -729,244 +651,3 @@ def analyze(trace: ModelTrace) -> ModelProfile:
         outside_segments={n.rsplit(".", 1)[0]: ("pre" if _is_before_blocks(n, trace) else "post")
                           for n, (_, owner) in trace.params.items() if owner == "outside"},
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Roles of the parameters in the traced training step (what the executor shards)
-# --------------------------------------------------------------------------------------------
-_aten = torch.ops.aten
-_PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of the result swaps on t/transpose)
-    _aten.t.default, _aten.transpose.int, _aten.view.default, _aten._unsafe_view.default,
-    _aten.reshape.default, _aten._to_copy.default, _aten.alias.default, _aten.detach.default,
-}
-FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
-                  _aten.clone.default, _aten._to_copy.default}
-SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
-_LOOKUPS = {_aten.embedding.default}
-
-
-@dataclass
-class GraphLinear:
-    """A matmul of an activation with a 2-D parameter in the step graph."""
-
-    node: torch.fx.Node
-    weight: int  # parameter index
-    out_dim: int  # the weight's dimension that indexes output features (0: nn.Linear, 1: Conv1D)
-    act: torch.fx.Node  # the activation operand
-    bias: int | None = None
-    role: str = "replicated"  # column | row | head | replicated
-    parts: int = 1  # a fused projection split into this many equal parts (q, k, v)
-    reason: str = ""  # why a linear stays replicated
-
-
-@dataclass
-class StepRoles:
-    """Per-parameter roles found by data flow in a step graph (no names involved).
-
-    The *residual stream* starts at lookups into a parameter table (token and position
-    embeddings) and at floating-point model inputs, and flows through every op but a linear. A
-    linear reading the residual stream is a column candidate; a linear whose input is computed
-    only from column outputs (through head-local ops: element-wise, views, attention) is a row
-    linear and makes its columns *columns*; a column candidate whose output reaches the graph's
-    output without a row is the *head*. A column whose output is split into ``k`` equal parts
-    along its features (fused QKV, gate/up) is sharded in ``k`` interleaved parts.
-    """
-
-    linears: list[GraphLinear]
-    residual: set  # nodes on the residual stream
-    token_tables: set  # parameter indices of embedding tables indexed by the model input
-    gather_points: dict  # residual node -> set of nodes (view chains, linears) that read it gathered
-
-
-def _is_2d_transpose(n: torch.fx.Node) -> bool:
-    """``w.T`` / ``w.permute(1, 0)`` of a matrix (Falcon's linear computes ``x @ self.weight.T``)."""
-    return n.target == _aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]
-
-
-def _weight_of(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
-    flips = 0
-    while isinstance(n, torch.fx.Node) and n.op == "call_function":
-        flip = n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n)
-        if not (flip or n.target in _PASS_OPS):
-            break
-        flips += flip
-        n = n.args[0]
-    if isinstance(n, torch.fx.Node) and n in pidx:
-        return pidx[n], flips
-    return None, 0
-
-
-def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
-    """How a column's output is split along its features: (equal parts, '' or a reason)."""
-    frontier = [lin]
-    seen = set()
-    while frontier:
-        x = frontier.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        slices = []
-        for u in x.users:
-            v = u.meta.get("val")
-            if u.op != "call_function":
-                continue
-            if ((u.target in FEATURE_VIEWS or u.target == _aten.unsqueeze.default) and isinstance(v, torch.Tensor)
-                    and v.dim() and v.shape[-1] == features):  # GPT-BigCode: c_attn(x).unsqueeze(1).split(...)
-                frontier.append(u)
-            elif u.target in FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
-                # The features viewed as (A, B, ...) (heads, or groups of heads): TP gives each rank a
-                # contiguous range of A, right when every index of A is treated alike.
-                reason = _head_view_reason(u, x.meta["val"].dim() - 1)
-                if reason:
-                    return 1, reason
-            elif u.target in SPLIT_OPS:
-                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
-                xv = x.meta["val"]
-                if dim % xv.dim() != xv.dim() - 1:
-                    continue
-                outs = [o.shape[-1] for o in u.meta["val"]]
-                if len(set(outs)) == 1 and len(outs) > 1:
-                    return len(outs), ""
-                return 1, f"its output is split into unequal parts {outs}"
-            elif u.target == _aten.slice.Tensor and (u.args[1] % x.meta["val"].dim()) == x.meta["val"].dim() - 1:
-                slices.append(u.meta["val"].shape[-1])
-        if len(slices) > 1:
-            if len(set(slices)) == 1 and sum(slices) == features:
-                return len(slices), ""
-            return 1, f"its output is sliced into unequal parts {slices}"
-    return 1, ""
-
-
-def _head_view_reason(view: torch.fx.Node, d: int) -> str:
-    """A column's features viewed with dim ``d`` leading them: indexing along ``d`` (Falcon's
-    multi-query ``qkv[..., :-2, :]`` and ``qkv[..., [-2], :]``: one K and one V head shared by all
-    query heads; an unbind of stacked q, k, v) treats its entries differently, and no contiguous
-    range of them is a rank's share: replicated, with the reason."""
-    a = view.meta["val"].shape[d]
-    for u in view.users:
-        if u.op != "call_function":
-            continue
-        along = False
-        if u.target in (_aten.slice.Tensor, _aten.narrow.default):  # a full-range slice is a no-op
-            along = u.args[1] % view.meta["val"].dim() == d and u.meta["val"].shape[d] != a
-        elif u.target == _aten.unbind.int:
-            along = (u.args[1] if len(u.args) > 1 else 0) % view.meta["val"].dim() == d
-        elif u.target == _aten.select.int:
-            along = u.args[1] % view.meta["val"].dim() == d
-        elif u.target in SPLIT_OPS:
-            along = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % view.meta["val"].dim() == d
-        elif u.target == _aten.index.Tensor:
-            idx = u.args[1]
-            along = len(idx) > d and idx[d] is not None
-        if along:
-            return (f"its output is viewed as {tuple(view.meta['val'].shape[d:])} and indexed along the first "
-                    f"of those ({a} entries) unevenly, e.g. query heads beside one shared key/value head")
-    return ""
-
-
-def step_roles(sg) -> StepRoles:
-    gm = sg.gm
-    phs = sg.placeholders()
-    pidx = {n: i for i, n in enumerate(phs[: sg.n_params])}
-    inputs = phs[sg.n_params + len(sg.buffer_names): sg.n_params + len(sg.buffer_names) + sg.n_inputs]
-    linears: dict[torch.fx.Node, GraphLinear] = {}
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in (_aten.mm.default, _aten.addmm.default):
-            continue
-        a, b = (n.args[0], n.args[1]) if n.target == _aten.mm.default else (n.args[1], n.args[2])
-        w, flips = _weight_of(b, pidx)
-        if w is None or phs[w].meta["val"].dim() != 2:
-            continue
-        bias = None
-        if n.target == _aten.addmm.default:
-            bias, _ = _weight_of(n.args[0], pidx)
-        linears[n] = GraphLinear(n, w, 0 if flips % 2 else 1, a, bias)
-
-    residual: set = set()
-    token_tables: set = set()
-    for x in inputs:
-        if x.meta["val"].is_floating_point():
-            residual.add(x)
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n in linears:
-            continue
-        if n.target in _LOOKUPS and n.args[0] in pidx:
-            residual.add(n)
-            idx = n.args[1]
-            while isinstance(idx, torch.fx.Node) and idx.op == "call_function" and idx.target in FEATURE_VIEWS:
-                idx = idx.args[0]  # the ids reshaped (GPT-2 views them as (-1, seq))
-            if idx in inputs:
-                token_tables.add(pidx[n.args[0]])
-        elif any(a in residual for a in n.all_input_nodes):
-            residual.add(n)
-
-    def frontier(x: torch.fx.Node) -> set:
-        seen, stack, out = set(), [x], set()
-        while stack:
-            y = stack.pop()
-            if y in seen:
-                continue
-            seen.add(y)
-            if y in linears:
-                out.add(y)
-            elif y not in pidx:
-                stack += y.all_input_nodes
-        return out
-
-    columns_of: dict = {}
-    for lin in linears.values():
-        if lin.act in residual:
-            continue
-        fr = frontier(lin.act)
-        if fr and all(linears[f].act in residual for f in fr):
-            lin.role = "row"
-            columns_of[lin.node] = fr
-            for f in fr:
-                linears[f].role = "column"
-    outputs = set(gm.graph.find_nodes(op="output"))
-
-    def reaches_output(x: torch.fx.Node) -> bool:
-        seen, stack = set(), [x]
-        while stack:
-            y = stack.pop()
-            if y in outputs:
-                return True
-            if y in seen or (y in linears and y is not x):
-                continue
-            seen.add(y)
-            stack += list(y.users)
-        return False
-
-    for lin in linears.values():
-        if lin.role == "replicated" and lin.act in residual and reaches_output(lin.node):
-            lin.role = "head"
-    for lin in linears.values():
-        if lin.role == "column":
-            features = phs[lin.weight].meta["val"].shape[lin.out_dim]
-            lin.parts, lin.reason = _split_parts(lin.node, features)
-            if lin.reason:
-                lin.role = "replicated"
-    # A row reads its columns' shards: all of them sharded, or none (to a fixed point: a column
-    # demoted with one row may feed another).
-    changed = True
-    while changed:
-        changed = False
-        for row, cols in columns_of.items():
-            if linears[row].role == "row" and any(linears[c].role != "column" for c in cols):
-                linears[row].role = "replicated"
-                linears[row].reason = "it reads the output of a linear that stays replicated"
-                for c in cols:
-                    if linears[c].role == "column":
-                        linears[c].role, linears[c].reason = "replicated", "its row partner stays replicated"
-                changed = True
-    # Where a column reads the residual stream: the residual node its activation is a view of.
-    gather_points: dict = {}
-    for lin in linears.values():
-        if lin.role not in ("column", "head"):
-            continue
-        chain, x = [lin.node], lin.act
-        while x.op == "call_function" and x.target in FEATURE_VIEWS and len(x.users) == 1:
-            chain.append(x)
-            x = x.args[0]
-        gather_points.setdefault(x, set()).update(chain)
-    return StepRoles(list(linears.values()), residual, token_tables, gather_points)

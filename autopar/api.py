@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar import analysis, capture, models
+from autopar import analysis, capture, models, roles
 from autopar import search as search_mod
 from autopar.cost_models.hardware import Hardware
 from autopar.cost_models.hardware import load as load_hardware
@@ -612,7 +612,7 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision):
     rules = None
     tp_pl: dict = {}
     if p.tp > 1:
-        rules = tp_rules(sg, analysis.step_roles(sg), p.tp, p.sp)
+        rules = tp_rules(sg, roles.step_roles(sg), p.tp, p.sp)
         tp_pl = rules.placements
     dp_pl = dp_placements(shapes, tp_pl, p.dp_shard, p.fsdp)
     lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp, compute=mixed.compute, reduce=mixed.reduce)
@@ -906,7 +906,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         from autopar.passes.tp import tp_rules
 
         fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
-        frules = tp_rules(fsg, analysis.step_roles(fsg), p.tp, p.sp) if p.tp > 1 else None
+        frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp) if p.tp > 1 else None
         finfo = {"inputs": list(inputs)}
         runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model,
                                inductor=compile, disabled=set(disable_passes), info=finfo)

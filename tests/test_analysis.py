@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from autopar import analysis, capture, models
+from autopar.roles import step_roles
 from tests.conftest import profile
 
 
@@ -157,15 +158,15 @@ def test_step_roles_by_data_flow(kind, want):
     m = zoo.build(kind)
     sg = capture.trace_step(m, (torch.zeros(2, 16, dtype=torch.long),), target=torch.ones(2, 16, dtype=torch.long))
     assert len(sg.layers) == 2
-    roles = analysis.step_roles(sg)
+    found = step_roles(sg)
     got = {}
-    for lin in roles.linears:
+    for lin in found.linears:
         name = sg.param_names[lin.weight]
         if name.startswith(sg.layers[0] + "."):
             got[name[len(sg.layers[0]) + 1:]] = (lin.role, lin.out_dim, lin.parts)
     for k, v in want.items():
         assert got[k] == v, (k, got)
-    heads = [sg.param_names[l.weight] for l in roles.linears if l.role == "head"]
+    heads = [sg.param_names[l.weight] for l in found.linears if l.role == "head"]
     assert len(heads) == 1
 
 
@@ -225,3 +226,22 @@ def test_attention_dropout_priced_as_the_fused_kernel(tmp_path, monkeypatch):
         (d / "config.json").write_text(json.dumps({**cfg, "attn_pdrop": p}))
         times.append(api.plan(str(d / "config.json"), 8, pin="tp=1,pp=1").predicted["step_time_s"])
     assert times[0] == pytest.approx(times[1], rel=0.02), times
+
+
+@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-phi3", "hf-falcon", "custom-llama", "hf-mixtral", "gpt-tiny"])
+def test_planner_prices_the_roles_the_executor_shards(kind):
+    """One role finder: the planner's roles of a block's linears (``analyze_block``, on the block's
+    graph) are the executor's (``step_roles``, on the step graph), fused projections included."""
+    from tests import zoo
+
+    torch.manual_seed(0)
+    prof = analysis.analyze(capture.trace_model(lambda: zoo.build(kind), batch=1, seq_len=16, vocab_size=256))
+    planned = {l.weight: (l.role, l.fused) for l in prof.blocks[0].linears}
+    sg = capture.trace_step(zoo.build(kind), (torch.zeros(2, 16, dtype=torch.long),),
+                            target=torch.ones(2, 16, dtype=torch.long))
+    run = {}
+    for lin in step_roles(sg).linears:
+        name = sg.param_names[lin.weight]
+        if name.startswith(sg.layers[0] + "."):
+            run[name[len(sg.layers[0]) + 1:]] = (lin.role, lin.role == "column" and lin.parts > 1)
+    assert planned == run

@@ -1,5 +1,5 @@
 """Tensor and sequence parallelism on the traced step: which parameter is split how, and where
-activations change placement. Decided from the data-flow roles of ``analysis.step_roles``
+activations change placement. Decided from the data-flow roles of ``roles.step_roles``
 (no module names or types):
 
 - a *column* linear's weight is split along its output features (``Shard``; a fused projection
@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.analysis import FEATURE_VIEWS, StepRoles
+from autopar.roles import FEATURE_VIEWS, Roles
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _end_of_views(n: torch.fx.Node) -> torch.fx.Node:
     return n
 
 
-def tp_rules(sg, roles: StepRoles, tp: int, sp: bool) -> TPRules:
+def tp_rules(sg, roles: Roles, tp: int, sp: bool) -> TPRules:
     shapes = [ph.meta["val"].shape for ph in sg.placeholders()[: sg.n_params]]
     names = sg.param_names
     want: dict[int, list] = {}

@@ -1,0 +1,265 @@
+"""Tensor-parallel roles of the linears in a graph, found by data flow, with no module names.
+
+The one role finder: the planner runs it on each distinct block's graph (``analysis.analyze_block``
+prices what it divides) and the executor on the traced training step (``passes/tp.tp_rules``
+shards what it finds), so the plan ``explain`` prices is the one that runs. A *linear* is an
+``mm``/``addmm`` of an activation with a 2-D parameter (through views, casts and transposes);
+its role follows from where its input comes from (``Roles``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_aten = torch.ops.aten
+_PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of the result swaps on t/transpose)
+    _aten.t.default, _aten.transpose.int, _aten.view.default, _aten._unsafe_view.default,
+    _aten.reshape.default, _aten._to_copy.default, _aten.alias.default, _aten.detach.default,
+}
+FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
+                  _aten.clone.default, _aten._to_copy.default}
+SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
+_LOOKUPS = {_aten.embedding.default}
+
+
+@dataclass
+class GraphLinear:
+    """A matmul of an activation with a 2-D parameter in the step graph."""
+
+    node: torch.fx.Node
+    weight: int  # parameter index
+    out_dim: int  # the weight's dimension that indexes output features (0: nn.Linear, 1: Conv1D)
+    act: torch.fx.Node  # the activation operand
+    bias: int | None = None
+    role: str = "replicated"  # column | row | head | replicated
+    parts: int = 1  # a fused projection split into this many equal parts (q, k, v)
+    reason: str = ""  # why a linear stays replicated
+
+
+@dataclass
+class Roles:
+    """Per-parameter roles found by data flow in a graph (no names involved).
+
+    The *residual stream* starts at the graph's sources (the step's floating-point inputs, a
+    block's hidden states) and at lookups into a parameter table (token and position
+    embeddings), and flows through every op but a linear. A
+    linear reading the residual stream is a column candidate; a linear whose input is computed
+    only from column outputs (through head-local ops: element-wise, views, attention) is a row
+    linear and makes its columns *columns*; a column candidate whose output reaches the graph's
+    output without a row is the *head*. A column whose output is split into ``k`` equal parts
+    along its features (fused QKV, gate/up) is sharded in ``k`` interleaved parts.
+    """
+
+    linears: list[GraphLinear]
+    residual: set  # nodes on the residual stream
+    token_tables: set  # parameter indices of embedding tables indexed by the model input
+    gather_points: dict  # residual node -> set of nodes (view chains, linears) that read it gathered
+    columns_of: dict  # row linear node -> its column linear nodes
+    region: dict  # row linear node -> the nodes from its columns to it (TP-local: divided by the degree)
+
+
+def _is_2d_transpose(n: torch.fx.Node) -> bool:
+    """``w.T`` / ``w.permute(1, 0)`` of a matrix (Falcon's linear computes ``x @ self.weight.T``)."""
+    return n.target == _aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]
+
+
+def _weight_of(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
+    flips = 0
+    while isinstance(n, torch.fx.Node) and n.op == "call_function":
+        flip = n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n)
+        if not (flip or n.target in _PASS_OPS):
+            break
+        flips += flip
+        n = n.args[0]
+    if isinstance(n, torch.fx.Node) and n in pidx:
+        return pidx[n], flips
+    return None, 0
+
+
+def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
+    """How a column's output is split along its features: (equal parts, '' or a reason)."""
+    frontier = [lin]
+    seen = set()
+    while frontier:
+        x = frontier.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        slices = []
+        for u in x.users:
+            v = u.meta.get("val")
+            if u.op != "call_function":
+                continue
+            if ((u.target in FEATURE_VIEWS or u.target == _aten.unsqueeze.default) and isinstance(v, torch.Tensor)
+                    and v.dim() and v.shape[-1] == features):  # GPT-BigCode: c_attn(x).unsqueeze(1).split(...)
+                frontier.append(u)
+            elif u.target in FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
+                # The features viewed as (A, B, ...) (heads, or groups of heads): TP gives each rank a
+                # contiguous range of A, right when every index of A is treated alike.
+                reason = _head_view_reason(u, x.meta["val"].dim() - 1)
+                if reason:
+                    return 1, reason
+            elif u.target in SPLIT_OPS:
+                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+                xv = x.meta["val"]
+                if dim % xv.dim() != xv.dim() - 1:
+                    continue
+                outs = [o.shape[-1] for o in u.meta["val"]]
+                if len(set(outs)) == 1 and len(outs) > 1:
+                    return len(outs), ""
+                return 1, f"its output is split into unequal parts {outs}"
+            elif u.target == _aten.slice.Tensor and (u.args[1] % x.meta["val"].dim()) == x.meta["val"].dim() - 1:
+                slices.append(u.meta["val"].shape[-1])
+        if len(slices) > 1:
+            if len(set(slices)) == 1 and sum(slices) == features:
+                return len(slices), ""
+            return 1, f"its output is sliced into unequal parts {slices}"
+    return 1, ""
+
+
+def _head_view_reason(view: torch.fx.Node, d: int) -> str:
+    """A column's features viewed with dim ``d`` leading them: indexing along ``d`` (Falcon's
+    multi-query ``qkv[..., :-2, :]`` and ``qkv[..., [-2], :]``: one K and one V head shared by all
+    query heads; an unbind of stacked q, k, v) treats its entries differently, and no contiguous
+    range of them is a rank's share: replicated, with the reason."""
+    a = view.meta["val"].shape[d]
+    for u in view.users:
+        if u.op != "call_function":
+            continue
+        along = False
+        if u.target in (_aten.slice.Tensor, _aten.narrow.default):  # a full-range slice is a no-op
+            along = u.args[1] % view.meta["val"].dim() == d and u.meta["val"].shape[d] != a
+        elif u.target == _aten.unbind.int:
+            along = (u.args[1] if len(u.args) > 1 else 0) % view.meta["val"].dim() == d
+        elif u.target == _aten.select.int:
+            along = u.args[1] % view.meta["val"].dim() == d
+        elif u.target in SPLIT_OPS:
+            along = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % view.meta["val"].dim() == d
+        elif u.target == _aten.index.Tensor:
+            idx = u.args[1]
+            along = len(idx) > d and idx[d] is not None
+        if along:
+            return (f"its output is viewed as {tuple(view.meta['val'].shape[d:])} and indexed along the first "
+                    f"of those ({a} entries) unevenly, e.g. query heads beside one shared key/value head")
+    return ""
+
+
+def step_roles(sg) -> Roles:
+    """The roles in a traced step (``capture.StepGraph``): the residual stream starts at the
+    model's floating-point inputs and at lookups of its integer inputs."""
+    phs = sg.placeholders()
+    inputs = phs[sg.n_params + len(sg.buffer_names): sg.n_params + len(sg.buffer_names) + sg.n_inputs]
+    return find_roles(sg.gm, {n: i for i, n in enumerate(phs[: sg.n_params])},
+                      [x for x in inputs if x.meta["val"].is_floating_point()], inputs)
+
+
+def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = ()) -> Roles:
+    """The roles of ``gm``'s linears. ``pidx``: parameter placeholder -> parameter index;
+    ``sources``: the nodes where the residual stream starts (floating-point inputs, a block's
+    hidden states); ``ids``: the integer inputs whose embedding tables are token tables."""
+    phs = {i: n for n, i in pidx.items()}
+    linears: dict[torch.fx.Node, GraphLinear] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (_aten.mm.default, _aten.addmm.default):
+            continue
+        a, b = (n.args[0], n.args[1]) if n.target == _aten.mm.default else (n.args[1], n.args[2])
+        w, flips = _weight_of(b, pidx)
+        if w is None or phs[w].meta["val"].dim() != 2:
+            continue
+        bias = None
+        if n.target == _aten.addmm.default:
+            bias, _ = _weight_of(n.args[0], pidx)
+        linears[n] = GraphLinear(n, w, 0 if flips % 2 else 1, a, bias)
+
+    residual: set = set(sources)
+    token_tables: set = set()
+    ids = set(ids)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in linears:
+            continue
+        if n.target in _LOOKUPS and n.args[0] in pidx:
+            residual.add(n)
+            idx = n.args[1]
+            while isinstance(idx, torch.fx.Node) and idx.op == "call_function" and idx.target in FEATURE_VIEWS:
+                idx = idx.args[0]  # the ids reshaped (GPT-2 views them as (-1, seq))
+            if idx in ids:
+                token_tables.add(pidx[n.args[0]])
+        elif any(a in residual for a in n.all_input_nodes):
+            residual.add(n)
+
+    def frontier(x: torch.fx.Node) -> tuple[set, set]:
+        """The linears ``x`` is computed from without passing through a linear, and the nodes on the way."""
+        seen, stack, out = set(), [x], set()
+        while stack:
+            y = stack.pop()
+            if y in seen:
+                continue
+            seen.add(y)
+            if y in linears:
+                out.add(y)
+            elif y not in pidx:
+                stack += y.all_input_nodes
+        return out, seen
+
+    columns_of: dict = {}
+    region: dict = {}
+    for lin in linears.values():
+        if lin.act in residual:
+            continue
+        fr, between = frontier(lin.act)
+        if fr and all(linears[f].act in residual for f in fr):
+            lin.role = "row"
+            columns_of[lin.node], region[lin.node] = fr, between
+            for f in fr:
+                linears[f].role = "column"
+    outputs = set(gm.graph.find_nodes(op="output"))
+
+    def reaches_output(x: torch.fx.Node) -> bool:
+        seen, stack = set(), [x]
+        while stack:
+            y = stack.pop()
+            if y in outputs:
+                return True
+            if y in seen or (y in linears and y is not x):
+                continue
+            seen.add(y)
+            stack += list(y.users)
+        return False
+
+    for lin in linears.values():
+        if lin.role == "replicated" and lin.act in residual and reaches_output(lin.node):
+            lin.role = "head"
+    for lin in linears.values():
+        if lin.role == "column":
+            features = phs[lin.weight].meta["val"].shape[lin.out_dim]
+            lin.parts, lin.reason = _split_parts(lin.node, features)
+            if lin.reason:
+                lin.role = "replicated"
+    # A row reads its columns' shards: all of them sharded, or none (to a fixed point: a column
+    # demoted with one row may feed another).
+    changed = True
+    while changed:
+        changed = False
+        for row, cols in columns_of.items():
+            if linears[row].role == "row" and any(linears[c].role != "column" for c in cols):
+                linears[row].role = "replicated"
+                linears[row].reason = "it reads the output of a linear that stays replicated"
+                for c in cols:
+                    if linears[c].role == "column":
+                        linears[c].role, linears[c].reason = "replicated", "its row partner stays replicated"
+                changed = True
+    # Where a column reads the residual stream: the residual node its activation is a view of.
+    gather_points: dict = {}
+    for lin in linears.values():
+        if lin.role not in ("column", "head"):
+            continue
+        chain, x = [lin.node], lin.act
+        while x.op == "call_function" and x.target in FEATURE_VIEWS and len(x.users) == 1:
+            chain.append(x)
+            x = x.args[0]
+        gather_points.setdefault(x, set()).update(chain)
+    rows = {n for n, lin in linears.items() if lin.role == "row"}
+    return Roles(list(linears.values()), residual, token_tables, gather_points,
+                 {r: c for r, c in columns_of.items() if r in rows}, {r: b for r, b in region.items() if r in rows})
