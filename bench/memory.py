@@ -10,11 +10,11 @@ same plan pinned (FSDP resharding after forward, one microbatch per rank, as FSD
 
 Per rank and side, after a warm-up step and with the gradients cleared: the step's peak above
 what the process held before it, two ways (``PLATFORM.md``): the allocator's (the profiler's
-allocation events, what a GPU's ``max_memory_allocated`` counts) and the resident set's
+allocation events, what a GPU's ``max_memory_allocated`` counts; the median of three steps, with
+and without gloo's staging copies: ``common.allocator_peaks``) and the resident set's
 (``VmHWM`` after ``clear_refs``, with glibc told to map large blocks so freed memory leaves);
 the step time (median of alternating steps); and the first step's loss on both sides (the same
-model). Also the planner's prediction of the same part of memory (``predicted_step_mib``) and
-the executed graphs' liveness peak (``memory.step_peak``).
+model). Also the executed graphs' liveness peak (``memory.step_peak``).
 
 ``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed]`` writes
 bench/results/memory.{json,md} (``memory_bf16_mixed.*`` with ``--mp``: both sides under FSDP2's
@@ -164,8 +164,13 @@ def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
             else:
                 times[side].append(time.perf_counter() - t0)
     for side, (fn, _) in sides.items():
-        clear()
-        out[f"{side}_alloc_gloo_mib"], out[f"{side}_alloc_mib"] = allocator_peaks(fn)
+        # The median of three: when gloo's threads let go of a finished collective's buffers moves
+        # autopar's peak (its collectives run asynchronously) by up to 100 MiB from step to step.
+        peaks = []
+        for _ in range(3):
+            clear()
+            peaks.append(allocator_peaks(fn))
+        out[f"{side}_alloc_gloo_mib"], out[f"{side}_alloc_mib"] = (statistics.median(p) for p in zip(*peaks))
         clear()
         out[f"{side}_rss_mib"] = resident_peak_mib(fn)
         out[f"{side}_s"] = statistics.median(times[side])
