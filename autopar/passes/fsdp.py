@@ -39,7 +39,8 @@ def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple
     gradient is reduced back to this rank's shard. Mixed precision (``compute``/``reduce``, as
     FSDP2's ``param_dtype``/``reduce_dtype``): the shard is cast before its gather, so the gather
     moves compute-dtype bytes; the gradient is cast to ``reduce`` before its reduction and lands in
-    the shard's own dtype."""
+    the shard's own dtype (under HSDP the replicas' all-reduce of the shard runs in that dtype, the
+    reduce dtype of every precision in ``plan.PRECISIONS``)."""
     names = dp_mesh.mesh_dim_names
     replicas = [n for n, p in zip(names, dp_pls) if not isinstance(p, Shard)]
     if replicas and len(replicas) < len(names):
