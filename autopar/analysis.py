@@ -318,8 +318,9 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
                        [n for n in tensor_ph if n.name in hidden_ph])
     linears: dict[str, Linear] = {}
     bias_of: dict[str, str] = {}
+    weight_of = {gl.node: bt.param_names[gl.weight] for gl in found.linears}
     for gl in found.linears:
-        wname = bt.param_names[gl.weight]
+        wname = weight_of[gl.node]
         shape = bt.param_shapes[wname]
         in_f, out_f = int(shape[1 - gl.out_dim]), int(shape[gl.out_dim])
         lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
@@ -330,7 +331,6 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         lin.fused = gl.role == "column" and gl.parts > 1  # split in interleaved parts (q, k, v)
         if gl.bias is not None:
             bias_of[lin.node] = bt.param_names[gl.bias]
-    weight_of = {gl.node: bt.param_names[gl.weight] for gl in found.linears}
     tp_nodes: set[str] = set()
     for row, cols in found.columns_of.items():
         linears[row.name].partners = tuple(sorted(weight_of[c] for c in cols))

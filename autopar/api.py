@@ -222,13 +222,14 @@ def make_context(
     precision: str = "bf16", memory_limit_gb: float | None = None, compiled: bool = True,
     async_tp: bool = False, fp8: bool = False,
 ) -> CostContext:
-    precision = precision_of(precision).name
+    prec = precision_of(precision)
+    precision = prec.name
     if global_batch is None:
         global_batch = default_global_batch(prof.seq_len, world)
     if global_batch < 1:
         raise AutoparError(f"global batch must be at least 1 sequence, got {global_batch}")
     hw = load_hardware(hardware)
-    if (fp8 or precision_of(precision).float8) and not hw.float8:
+    if (fp8 or prec.float8) and not hw.float8:
         raise AutoparError(f"{hw.name} has no float8 matmuls (H100 and newer do): choose bf16-mixed, or a hardware "
                            "profile with \"float8\": true")
     if memory_limit_gb is not None and memory_limit_gb <= 0:

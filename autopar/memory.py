@@ -13,7 +13,7 @@ by node on their fake-tensor metadata:
   backward graph, which owns them); the backward's outputs (the gradient shards) stay alive
   until the step ends;
 - what the rank holds before the step (parameter shards, buffers, the batch) is not counted:
-  the result is the step's peak above that, what ``bench/memory.py`` measures with the allocator.
+  the result is the step's peak above that, what ``allocator_peaks`` measures (``bench/memory.py``).
 
 With several microbatches the gradients of the earlier ones are held through the later ones.
 Inductor fuses element-wise chains, so a compiled graph allocates at most what the node-level
@@ -229,3 +229,61 @@ def step_peak(pm, gradients: bool = True) -> Liveness:
         raise AutoparError("the liveness peak is computed for plans without pipeline stages (pp=1)")
     p = pm.plan
     return step_liveness(runner.compiled, max(1, p.global_batch // (p.dp * p.mb)), gradients)
+
+
+def allocator_peak_mib(fn) -> float:
+    """``allocator_peaks(fn)``'s first: everything the allocator saw."""
+    return allocator_peaks(fn)[0]
+
+
+def allocator_peaks(fn) -> tuple[float, float]:
+    """How much memory one step allocates at its peak beyond what the process holds before it
+    (parameters and optimizer state, no gradients): gradients, saved activations, workspaces and
+    communication buffers, Inductor's generated code's buffers included. The allocator's peak: on
+    a GPU ``max_memory_allocated``; on CPU the running sum of the profiler's allocation events
+    (every tensor the step allocates and frees, through PyTorch's CPU allocator), which is what a
+    GPU's allocator would count (the process's resident set adds glibc arenas, gloo's own
+    buffers and thread stacks: 1.5-2x more on these runs, and not what the planner prices).
+
+    Returns that peak and the same peak without what the process group's backend allocates
+    inside a collective (gloo's staging copies, under ``gloo:*`` and ``c10d::*`` ops): NCCL
+    allocates no such tensors from the caching allocator, and how long gloo holds them depends on its threads' timing (a
+    prefetched gather's staging buffer, alive or not at the peak, moves it by a layer's weights).
+    The collectives' outputs (``_c10d_functional``, FSDP2's own buffers) are counted either way."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        return peak, peak
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []  # (time, pointer, bytes (negative: freed), allocated inside the backend)
+
+    def walk(e, inside: bool) -> None:
+        inside = inside or e.name.startswith(("gloo:", "c10d::"))
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, inside))
+        for c in e.children:
+            walk(c, inside)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, False)
+    staged: set = set()
+    live = peak = own = own_peak = 0
+    for _, ptr, nbytes, inside in sorted(events, key=lambda x: x[0]):
+        live += nbytes
+        peak = max(peak, live)
+        if nbytes > 0 and inside:
+            staged.add(ptr)
+        elif ptr in staged:  # a staging buffer freed
+            staged.discard(ptr)
+        else:
+            own += nbytes
+            own_peak = max(own_peak, own)
+    return peak / 2**20, own_peak / 2**20

@@ -11,7 +11,7 @@ same plan pinned (FSDP resharding after forward, one microbatch per rank, as FSD
 Per rank and side, after a warm-up step and with the gradients cleared: the step's peak above
 what the process held before it, two ways (``PLATFORM.md``): the allocator's (the profiler's
 allocation events, what a GPU's ``max_memory_allocated`` counts; the median of three steps, with
-and without gloo's staging copies: ``common.allocator_peaks``) and the resident set's
+and without gloo's staging copies: ``autopar.memory.allocator_peaks``) and the resident set's
 (``VmHWM`` after ``clear_refs``, with glibc told to map large blocks so freed memory leaves);
 the step time (median of alternating steps); and the first step's loss on both sides (the same
 model). Also the executed graphs' liveness peak (``memory.step_peak``).
@@ -35,7 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.common import allocator_peaks, spawn_ranks, write
+from autopar.memory import allocator_peaks
+from bench.common import spawn_ranks, write
 
 HIDDEN, FFN, HEADS, VOCAB = 1024, 4096, 16, 512
 BATCH, SEQ = 4, 256  # global: each data-parallel rank runs its share in one microbatch

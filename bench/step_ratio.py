@@ -8,7 +8,7 @@ loss of both sides is compared (same weights, same data), and so is the time to 
 first step (setup, where autopar traces, plans and compiles, plus the first step, where
 torchtitan's blocks compile). Also: one process, ``autopar.compile`` against torchtitan's
 ``apply_compile`` (each block compiled on its own); and each configuration's
-memory per rank for one autopar step (``common.allocator_peak_mib``: the allocator's peak above what the
+memory per rank for one autopar step (``memory.allocator_peak_mib``: the allocator's peak above what the
 process held before the step) against the planner's prediction of the same part (gradients,
 gathered parameters, activations).
 
@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.memory import allocator_peak_mib
 from bench import torchtitan_side as tt
-from bench.common import allocator_peak_mib, write
+from bench.common import write
 
 CONFIGS = [
     {"name": "fsdp4", "pins": {"dp": 4, "fsdp": 1, "pp": 1, "tp": 1, "ac": "none"}},

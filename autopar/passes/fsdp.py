@@ -48,10 +48,9 @@ def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple
         # the reverse order, reduce-scatters the gradient over dp_shard and then all-reduces only
         # the shard over dp_replicate (FSDP2's order: 1/dp_shard of the bytes on the replicas).
         with fx_traceback.annotate({"pass": "ddp"}):
-            local = _replicated(local, dp_mesh[replicas[0] if len(replicas) == 1 else tuple(replicas)])
+            local = _replicated(local, dp_mesh[tuple(replicas)])
         kept = [(n, p) for n, p in zip(names, dp_pls) if isinstance(p, Shard)]
-        dp_mesh = dp_mesh[kept[0][0] if len(kept) == 1 else tuple(n for n, _ in kept)]
-        dp_pls = [p for _, p in kept]
+        dp_mesh, dp_pls = dp_mesh[tuple(n for n, _ in kept)], [p for _, p in kept]
     stride = torch.empty(tp_local_shape, device="meta").stride()
     d = DTensor.from_local(local, dp_mesh, dp_pls, run_check=False, shape=torch.Size(tp_local_shape), stride=stride)
     whole = [Replicate()] * len(dp_pls)
