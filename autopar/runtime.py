@@ -50,18 +50,22 @@ def init_distributed(backend: str | None = None) -> None:
 
 class FailureWatch:
     """Bounded failure across ranks. An exception on one rank inside ``compile`` or ``step()`` is
-    posted to the process group's store (first failure wins) and every rank's wake key is set;
-    every rank has a thread blocked on its own wake key (its own store connection, no polling).
+    posted to the process group's store (first failure wins) and written into every other rank's
+    wake key; every rank has a thread blocked reading its own wake key (its own store connection,
+    no polling), so the message arrives in the same call that wakes it.
     A rank that learns of the failure while it is inside a guarded call is, by construction,
     waiting for the failed rank in a collective that will never complete (gloo and NCCL cannot
     interrupt it from Python), so it prints the failing rank's error and exits (status 1), as
     torchrun's elastic agent would. A rank that learns of it between calls raises the failing
-    rank's error at its next call. At exit (or when the process group changes) a rank wakes
-    only its own thread and joins it: a thread still inside a store call while the interpreter
-    finalizes aborts the process."""
+    rank's error at its next call. Rank 0 serves the store: once a failure is known, it does not
+    exit (whether it stops here or its caller ends on the raised error) before every other rank
+    has read the message (each acknowledges it), or ``LINGER_S`` has passed.
+    At exit (or when the process group changes) a rank wakes only its own thread and joins it:
+    a thread still inside a store call while the interpreter finalizes aborts the process."""
 
     KEY = "autopar/failure"
     GRACE_S = 5.0  # how long a rank inside a guarded call may take to raise the same error itself
+    LINGER_S = 15.0  # how long rank 0 keeps the store up for the others to read a failure
     _instance: FailureWatch | None = None
 
     def __init__(self):
@@ -72,8 +76,12 @@ class FailureWatch:
         self.world = dist.get_world_size()
         self.group = dist.group.WORLD
         self.store = dist.distributed_c10d._get_default_store().clone()
+        # a second connection, made now: waking the thread at exit must not connect anew, which
+        # blocks for the store's whole timeout when rank 0 (its server) has already ended
+        self.waker = self.store.clone()
         self.depth = 0
         self.failure: str | None = None
+        self.woken = False  # the thread has read its wake key (and returns by itself)
         self.thread = threading.Thread(target=self._watch, daemon=True, name="autopar-failure-watch")
         self.thread.start()
         atexit.register(self.stop)
@@ -107,45 +115,66 @@ class FailureWatch:
             cls._instance = None
 
     def stop(self) -> None:
-        """Wake this rank's watch thread (only its own) and wait for it to return."""
+        """Wake this rank's watch thread (only its own) and wait for it to return; on rank 0,
+        after a failure, first let the others read it."""
+        self._linger()
         if not self.thread.is_alive():
             return
-        try:  # another connection: the thread's own is blocked in its wait
-            self.store.clone().set(self._wake_key(self.rank), "stop")
-        except Exception as e:  # noqa: BLE001 - the store is gone: the thread's wait has failed too
+        if not self.woken:
+            try:  # the other connection: the thread's own is blocked in its read
+                self.waker.set(self._wake_key(self.rank), "stop")
+            except Exception as e:  # noqa: BLE001 - the store is gone: the thread's read has failed too
+                log.info("failure watch: %s", e)
+        self.thread.join(timeout=self.GRACE_S + 1)
+
+    def _linger(self) -> None:
+        """Rank 0 after a failure: wait (bounded) until every rank that did not post it has read it."""
+        if self.rank != 0 or not self.failure:
+            return
+        deadline = time.monotonic() + self.LINGER_S
+        try:
+            while self.waker.add(self.KEY + "/seen", 0) < self.world - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - nothing more to wait for
             log.info("failure watch: %s", e)
-        self.thread.join(timeout=5)
+
+    def _stop_if_waiting(self, msg: str) -> None:
+        """The failure is known: a rank still inside a guarded call after the grace period exits."""
+        import sys
+
+        deadline = time.monotonic() + self.GRACE_S
+        while self.depth and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.depth:
+            print(f"autopar: {msg}\nautopar: rank {self.rank} stops: it was waiting for that rank in a "
+                  "collective that cannot complete", file=sys.stderr, flush=True)
+            self._linger()
+            os._exit(1)
 
     def _watch(self) -> None:
         import datetime
-        import sys
 
         key = self._wake_key(self.rank)
+        self.store.set_timeout(datetime.timedelta(hours=1))
         while True:
             try:
-                self.store.wait([key], datetime.timedelta(hours=1))
-                if self.store.get(key).decode() == "stop":
-                    return
-                msg = self.store.get(self.KEY).decode()
-            except Exception as e:  # noqa: BLE001 - a wait timeout: wait again; the store gone: stop
+                msg = self.store.get(key).decode()  # blocks until the key is set
+            except Exception as e:  # noqa: BLE001 - a read timeout: read again; the store gone: stop
                 if "timeout" in str(e).lower() or "timed out" in str(e).lower():
                     continue
                 return
-            if msg.startswith(f"rank {self.rank} "):
+            self.woken = True
+            if msg == "stop":
                 return
             self.failure = msg
+            try:
+                self.store.add(self.KEY + "/seen", 1)
+            except Exception as e:  # noqa: BLE001 - rank 0 has ended: the message is read all the same
+                log.info("failure watch: %s", e)
             # An error every rank meets alike (a bad pin, a plan for another mesh) is raised on
             # each of them within moments: a rank that leaves its guarded call in the grace
             # period raises its own; one still inside is waiting in a collective, and stops.
-            deadline = time.monotonic() + self.GRACE_S
-            while self.depth and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self.depth:
-                print(f"autopar: {msg}\nautopar: rank {self.rank} stops: it was waiting for that rank in a "
-                      "collective that cannot complete", file=sys.stderr, flush=True)
-                if self.rank == 0:  # rank 0 usually serves the store: let the others read the message first
-                    time.sleep(2.0)
-                os._exit(1)
+            self._stop_if_waiting(msg)
             return
 
     def post(self, where: str, exc: BaseException) -> str:
@@ -153,15 +182,15 @@ class FailureWatch:
         import datetime
 
         msg = f"rank {self.rank} failed in {where}: {type(exc).__name__}: {' '.join(str(exc).split())[:2000]}"
-        store = dist.distributed_c10d._get_default_store()  # the watch's own connection is blocked in wait
+        store = dist.distributed_c10d._get_default_store()  # the watch's own connection is blocked in its read
         try:
             if store.add(self.KEY + "/count", 1) == 1:
-                store.set(self.KEY, msg)
+                self.failure = msg
                 others = [r for r in range(self.world) if r != self.rank]
-                store.multi_set([self._wake_key(r) for r in others], ["failure"] * len(others))
+                store.multi_set([self._wake_key(r) for r in others], [msg] * len(others))
                 return msg
-            store.wait([self.KEY], datetime.timedelta(seconds=10))
-            return store.get(self.KEY).decode()
+            store.wait([self._wake_key(self.rank)], datetime.timedelta(seconds=10))
+            return store.get(self._wake_key(self.rank)).decode()
         except Exception as e:  # noqa: BLE001 - the store itself is gone: nothing to tell
             log.info("could not post the failure: %s", e)
         return msg
