@@ -146,9 +146,18 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     # reductions' waits: passes/overlap.py) is the schedule that runs and that memory.py prices.
     with torch.no_grad(), torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), \
             torch._inductor.config.patch(reorder_for_peak_memory=False):
-        art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs",
-                                                 fake_mode=_fake_mode(vals))
+        art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs", **_fake_mode_kw(vals))
     return _boxed(art)
+
+
+def _fake_mode_kw(vals) -> dict:
+    """``standalone_compile``'s ``fake_mode`` argument, where this torch has it (2.13 does; the
+    2.11 that GPU images carry does not, and infers the mode from the inputs)."""
+    import inspect
+
+    if "fake_mode" in inspect.signature(torch._inductor.standalone_compile).parameters:
+        return {"fake_mode": _fake_mode(vals)}
+    return {}
 
 
 def _boxed(art) -> Callable:
