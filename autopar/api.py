@@ -606,7 +606,7 @@ class StepState:
 
 def _layout(sg, p: Plan, mesh, mixed: RunPrecision):
     from autopar.passes.distribute import Layout
-    from autopar.passes.fsdp import dp_placements
+    from autopar.passes.fsdp import dp_placements, sub_meshes
     from autopar.passes.tp import tp_rules
 
     shapes = [tuple(ph.meta["val"].shape) for ph in sg.placeholders()[: sg.n_params]]
@@ -626,6 +626,7 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision):
     dp_dims = tuple(d for d in ("dp_replicate", "dp_shard") if sizes[d] > 1)
     if dp_dims:
         lay.dp_dims, lay.dp_mesh = dp_dims, mesh[dp_dims if len(dp_dims) > 1 else dp_dims[0]]
+        lay.dp_submeshes = sub_meshes(lay.dp_mesh)
     if p.tp > 1:
         lay.tp_mesh = mesh["tp"]
     return lay, rules

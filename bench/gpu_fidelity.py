@@ -217,9 +217,11 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         cmd = [sys.executable, "-m", "bench.gpu_fidelity", "--stage", name] + (["--small"] if a.small else [])
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
+                               env=dict(os.environ, PYTHONFAULTHANDLER="1"))
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            results[name] = json.loads(lines[-1][7:]) if lines else {"error": p.stderr[-3000:]}
+            results[name] = json.loads(lines[-1][7:]) if lines else {
+                "error": f"exit status {p.returncode}: " + p.stderr[-3000:], "stdout": p.stdout[-1000:]}
         except subprocess.TimeoutExpired as e:
             results[name] = {"error": f"timed out after {a.timeout} s", "stderr": (e.stderr or b"")[-2000:].decode(errors="replace")}
         results[name]["stage_wall_s"] = time.perf_counter() - t

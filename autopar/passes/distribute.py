@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -52,6 +52,7 @@ class Layout:
     tp_mesh: object = None
     dp_mesh: object = None
     dp_dims: tuple = ()
+    dp_submeshes: dict = field(default_factory=dict)  # fsdp.sub_meshes(dp_mesh), sliced before tracing
     dp_size: int = 1
     # Mixed precision: each parameter is read in ``compute`` dtype (cast before its gather) and
     # its gradient reduced in ``reduce`` dtype; None: the parameters' own dtype throughout.
@@ -219,8 +220,8 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
             use_layer = consumer.meta.get("custom", {}).get("layer")
             with fx_traceback.annotate({"pass": "fsdp" if fsdp else "ddp", "source": sg.param_names[i],
                                         "param_index": i, "use_layer": use_layer}):
-                x = read_param(x, layout.dp_mesh, layout.dp_placements(i), layout.tp_local_shape(i),
-                               compute, layout.reduce)
+                x = read_param(x, layout.dp_mesh, layout.dp_submeshes, layout.dp_placements(i),
+                               layout.tp_local_shape(i), compute, layout.reduce)
         elif compute is not None and x.dtype != compute:
             with fx_traceback.annotate({"pass": "mp", "source": sg.param_names[i], "param_index": i}):
                 x = x.to(compute)  # its gradient comes back in the parameter's dtype

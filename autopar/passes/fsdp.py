@@ -33,14 +33,16 @@ def dp_placements(shapes: list, tp_placements: dict, dp_shard: int, fsdp: bool) 
     return out
 
 
-def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple,
+def read_param(local: torch.Tensor, dp_mesh, submeshes: dict, dp_pls: list, tp_local_shape: tuple,
                compute: torch.dtype | None = None, reduce: torch.dtype | None = None) -> torch.Tensor:
     """The parameter gathered over the data-parallel mesh (its TP shard), differentiable: the
     gradient is reduced back to this rank's shard. Mixed precision (``compute``/``reduce``, as
     FSDP2's ``param_dtype``/``reduce_dtype``): the shard is cast before its gather, so the gather
     moves compute-dtype bytes; the gradient is cast to ``reduce`` before its reduction and lands in
     the shard's own dtype (under HSDP the replicas' all-reduce of the shard runs in that dtype, the
-    reduce dtype of every precision in ``plan.PRECISIONS``)."""
+    reduce dtype of every precision in ``plan.PRECISIONS``). ``submeshes``: ``sub_meshes(dp_mesh)``,
+    sliced before tracing (slicing a mesh inside the trace records its index arithmetic, which
+    torch 2.11 then refuses as data-dependent)."""
     names = dp_mesh.mesh_dim_names
     replicas = [n for n, p in zip(names, dp_pls) if not isinstance(p, Shard)]
     if replicas and len(replicas) < len(names):
@@ -48,9 +50,9 @@ def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple
         # the reverse order, reduce-scatters the gradient over dp_shard and then all-reduces only
         # the shard over dp_replicate (FSDP2's order: 1/dp_shard of the bytes on the replicas).
         with fx_traceback.annotate({"pass": "ddp"}):
-            local = _replicated(local, dp_mesh[tuple(replicas)])
+            local = _replicated(local, submeshes[tuple(replicas)])
         kept = [(n, p) for n, p in zip(names, dp_pls) if isinstance(p, Shard)]
-        dp_mesh, dp_pls = dp_mesh[tuple(n for n, _ in kept)], [p for _, p in kept]
+        dp_mesh, dp_pls = submeshes[tuple(n for n, _ in kept)], [p for _, p in kept]
     stride = torch.empty(tp_local_shape, device="meta").stride()
     d = DTensor.from_local(local, dp_mesh, dp_pls, run_check=False, shape=torch.Size(tp_local_shape), stride=stride)
     whole = [Replicate()] * len(dp_pls)
@@ -59,6 +61,14 @@ def read_param(local: torch.Tensor, dp_mesh, dp_pls: list, tp_local_shape: tuple
         d = d.redistribute(dp_mesh, whole, forward_dtype=compute if mixed else None,
                            backward_dtype=reduce if mixed else None)
     return d.to_local(grad_placements=[Partial("sum")] * len(dp_pls))
+
+
+def sub_meshes(dp_mesh) -> dict:
+    """Each proper subset of ``dp_mesh``'s dims (by name tuple) -> that submesh."""
+    import itertools
+
+    names = tuple(dp_mesh.mesh_dim_names)
+    return {sub: dp_mesh[sub] for k in range(1, len(names)) for sub in itertools.combinations(names, k)}
 
 
 def _replicated(local: torch.Tensor, mesh) -> torch.Tensor:

@@ -80,8 +80,10 @@ def one_wait_each(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 # -- finding the collectives -----------------------------------------------------------------
 def _group(n: torch.fx.Node) -> str:
-    from torch._inductor.fx_passes.bucketing import _resolve_group_name
-
+    try:
+        from torch._inductor.fx_passes.bucketing import _resolve_group_name
+    except ImportError:  # torch 2.11: the node carries the group's name itself
+        return str(n.args[-1])
     return str(_resolve_group_name(n.args[-1]))
 
 
