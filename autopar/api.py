@@ -746,7 +746,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
         notes += list(rules.notes if rules else ())
         locals_ = _distribute_parameters(model, st, lay)
         phs = st.placeholders()[st.n_params + len(st.buffer_names):]
-        inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype).requires_grad_(
+        inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype, device=mb_ids.device).requires_grad_(
             ph.meta["val"].is_floating_point()) if i < len(phs) - 1 else mb_ids for i, ph in enumerate(phs)]
         sinfo = {"inputs": inputs}
         runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
@@ -847,6 +847,13 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
     capture.check_routed_experts(model)  # before the fixed-shape experts form trains anything
+    if device == "cuda":
+        # Traced where it runs: the device arguments the model's code records (an ``arange`` on
+        # the ids' device, a mask built on the weights') are this rank's GPU in every graph.
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        model.to(gpu)
+        ids = ids.to(gpu)
+        example_inputs = (ids, *example_inputs[1:])
     # One capture: the training step is traced once; the planner analyses this graph and, when the
     # plan runs the whole batch at once, the executor runs it.
     loss_fn = loss_fn or capture.default_loss
@@ -881,8 +888,6 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         from torch.distributed.device_mesh import init_device_mesh
 
         dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
-    if device == "cuda":
-        model.to(torch.device("cuda", torch.cuda.current_device()))
     if p.pp > 1:
         pm = _compile_pipeline(model, p, dmesh, ids, loss_fn, prof.source_name, inductor=compile,
                                disabled=set(disable_passes), mixed=mixed)

@@ -298,15 +298,15 @@ class _RunGraphs(torch.autograd.Function):
         result = tuple(outs[:n])
         if runner.compiled.bw_weight is not None:
             ctx.params = args[:runner.n_params]  # the weight-gradient part accumulates into them
-        ctx.out_meta = [(o.shape, o.dtype) for o in result]
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in result]
         ctx.mark_non_differentiable(*[o for o in result if not o.is_floating_point()])
         return result
 
     @staticmethod
     def backward(ctx, *grads):
         runner = ctx.runner
-        tangents = [g if g is not None else torch.zeros(shape, dtype=dtype)
-                    for g, (shape, dtype) in zip(grads, ctx.out_meta) if dtype.is_floating_point]
+        tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                    for g, (shape, dtype, device) in zip(grads, ctx.out_meta) if dtype.is_floating_point]
         c = runner.compiled
         # The only references to the saved values are in ``args``, which the boxed graph empties:
         # each is freed at its last use in the backward.
@@ -516,6 +516,12 @@ class ParallelModule(nn.Module):
         with guarded("step()"):
             return self._step(ids, target)
 
+    def _compute_device(self) -> torch.device:
+        """Where this rank computes: its GPU on a CUDA mesh, else where its parameters are."""
+        if self.mesh is not None and self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return next((getattr(p, "_local_tensor", p).device for p in self.parameters()), torch.device("cpu"))
+
     def _check_inputs(self, ids, target) -> None:
         if target is None:
             raise AutoparError("step() needs target= (the labels for the loss)")
@@ -527,8 +533,7 @@ class ParallelModule(nn.Module):
                 raise AutoparError(f"step() takes {what} as integer token ids, got {t.dtype}; pass a LongTensor")
         if target.shape != ids.shape:
             raise AutoparError(f"target has shape {tuple(target.shape)}, ids {tuple(ids.shape)}: they must match")
-        dev = self.mesh.device_type if self.mesh is not None else next(
-            (p.device.type for p in self.parameters()), ids.device.type)
+        dev = self._compute_device().type
         if ids.device.type != dev or target.device.type != dev:
             raise AutoparError(f"step() got ids on {ids.device} and target on {target.device}, but the model runs on "
                                f"{dev}: move the batch there first")
@@ -581,13 +586,14 @@ class ParallelModule(nn.Module):
                                    f"use a global batch of a multiple of {plan.pp * plan.mb * plan.dp} sequences")
             group = self.mesh["pp"].get_group()
             stages = []
+            dev = self._compute_device()
             for idx, (sg, runner) in sorted(self._stages.items()):
                 mod = _StageModule(self, sg, runner)
-                ins = tuple(torch.zeros(shape, dtype=dt, requires_grad=dt.is_floating_point)
+                ins = tuple(torch.zeros(shape, dtype=dt, device=dev, requires_grad=dt.is_floating_point)
                             for shape, dt in mod.input_meta)
-                outs = tuple(torch.zeros(shape, dtype=dt, requires_grad=dt.is_floating_point)
+                outs = tuple(torch.zeros(shape, dtype=dt, device=dev, requires_grad=dt.is_floating_point)
                              for shape, dt in mod.output_meta)
-                stages.append(pl.PipelineStage(mod, idx, plan.pp * plan.v, torch.device(self.mesh.device_type),
+                stages.append(pl.PipelineStage(mod, idx, plan.pp * plan.v, dev,
                                                input_args=ins, output_args=outs if len(outs) > 1 else outs[0],
                                                group=group, dw_builder=runner.take_weight_grads if zero_bubble else None))
 
@@ -719,12 +725,12 @@ class ParallelModule(nn.Module):
             else:
                 entry = sums.setdefault(("plain",), [None, (), 0.0])
                 entry[2] = entry[2] + g.float().pow(2).sum()
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self._compute_device())  # NCCL reduces GPU tensors
         for mesh, dims, sq in sums.values():
-            sq = torch.as_tensor(sq, dtype=torch.float32)
+            sq = torch.as_tensor(sq, dtype=torch.float32, device=total.device)
             for d in dims:
                 dist.all_reduce(sq, group=mesh.get_group(d))
-            total = total + sq.cpu()
+            total = total + sq
         if self.plan.pp > 1:  # each pipeline rank holds other parameters
             dist.all_reduce(total, group=self.mesh["pp"].get_group())
         norm = total.sqrt()

@@ -254,7 +254,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         grads = [g if g is not None else torch.zeros_like(w) for g, w in zip(grads, wrt)]
         return [*outs, *grads]
 
-    tangents = [torch.ones(outs_meta[i].shape, dtype=outs_meta[i].dtype) for i in float_out]
+    tangents = [torch.ones(outs_meta[i].shape, dtype=outs_meta[i].dtype, device=outs_meta[i].device) for i in float_out]
     with fx_traceback.preserve_node_meta():
         traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
 
