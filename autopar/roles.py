@@ -22,6 +22,32 @@ FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.d
                   _aten.clone.default, _aten._to_copy.default}
 SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
 _LOOKUPS = {_aten.embedding.default}
+_NORMS = {_aten.native_layer_norm.default, _aten.layer_norm.default, _aten.rms_norm.default}
+_REDUCTIONS = {_aten.mean.dim, _aten.sum.dim_IntList, _aten.var.correction, _aten.var_mean.correction}
+# Products of two activations (attention's scores and outputs): a reduction after one is over
+# positions or heads, not over a linear's features.
+_PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default, _aten.matmul.default,
+             _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+             _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_cudnn_attention.default}
+
+
+def _reduced_features(n: torch.fx.Node) -> int | None:
+    """The size of the last dim that ``n`` normalizes or reduces over (a layer norm, an RMS
+    norm's mean of squares), else None."""
+    if n.op != "call_function" or n.target not in _NORMS | _REDUCTIONS:
+        return None
+    val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+    shape = getattr(val, "shape", None)
+    if not shape:
+        return None
+    if n.target in _NORMS:
+        return int(shape[-1]) if len(n.args[1]) >= 1 else None
+    if n.target in _REDUCTIONS:
+        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        if any(d in (-1, len(shape) - 1) for d in dims):
+            return int(shape[-1])
+    return None
 
 
 @dataclass
@@ -48,7 +74,9 @@ class Roles:
     linear reading the residual stream is a column candidate; a linear whose input is computed
     only from column outputs (through head-local ops: element-wise, views, attention) is a row
     linear and makes its columns *columns*; a column candidate whose output reaches the graph's
-    output without a row is the *head*. A column whose output is split into ``k`` equal parts
+    output without a row is the *head*. A normalization over all of a linear's output features
+    (a layer norm between two projections) is not head-local: its output, like the residual
+    stream, holds whole features, and the linears that read it are column (or head) candidates. A column whose output is split into ``k`` equal parts
     along its features (fused QKV, gate/up) is sharded in ``k`` interleaved parts.
     """
 
@@ -203,13 +231,25 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
                 stack += y.all_input_nodes
         return out, seen
 
+    def normalized(x: torch.fx.Node) -> bool:
+        """Whether ``x`` is computed from linears' outputs through a normalization over all of
+        one's output features (a layer norm between two projections, as in a masked-LM head or
+        multi-head latent attention): a whole-feature stream, which no feature shard computes."""
+        fr, between = frontier(x)
+        sizes = {int(phs[linears[f].weight].meta["val"].shape[linears[f].out_dim]) for f in fr}
+        return any(_reduced_features(y) in sizes and not any(z.target in _PRODUCTS for z in frontier(y)[1])
+                   for y in between if y not in fr)
+
+    def whole(x: torch.fx.Node) -> bool:
+        return x in residual or normalized(x)
+
     columns_of: dict = {}
     region: dict = {}
     for lin in linears.values():
-        if lin.act in residual:
+        if whole(lin.act):
             continue
         fr, between = frontier(lin.act)
-        if fr and all(linears[f].act in residual for f in fr):
+        if fr and all(whole(linears[f].act) for f in fr):
             lin.role = "row"
             columns_of[lin.node], region[lin.node] = fr, between
             for f in fr:
@@ -229,7 +269,7 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
         return False
 
     for lin in linears.values():
-        if lin.role == "replicated" and lin.act in residual and reaches_output(lin.node):
+        if lin.role == "replicated" and whole(lin.act) and reaches_output(lin.node):
             lin.role = "head"
     for lin in linears.values():
         if lin.role == "column":

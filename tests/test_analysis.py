@@ -146,6 +146,10 @@ def test_hf_gpt2_fused_qkv_is_a_column():
                     "mlp.c_fc.weight": ("column", 0, 1), "mlp.c_proj.weight": ("row", 0, 1)}),
     ("hf-falcon-new", {"self_attention.query_key_value.weight": ("column", 0, 1),
                        "self_attention.dense.weight": ("row", 0, 1)}),
+    # A masked-LM head normalizes its dense layer's output over all its features before the
+    # tied decoder reads it: no column/row pair, the decoder is the head (vocabulary-split logits).
+    ("hf-roberta", {"attention.self.query.weight": ("column", 0, 1), "attention.output.dense.weight": ("row", 0, 1),
+                    "intermediate.dense.weight": ("column", 0, 1), "output.dense.weight": ("row", 0, 1)}),
 ])
 def test_step_roles_by_data_flow(kind, want):
     """The executor's roles from the traced step: fused projections split into their equal parts
