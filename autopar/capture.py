@@ -792,10 +792,20 @@ def trace_step(
                            "entered" in box))
         return t
 
+    # One name per (module, attribute): a module reachable under two paths (T5's
+    # encoder.embed_tokens is its ``shared``) would be swapped twice, and restored to the fake.
+    slots: set = set()
+    distinct: dict[str, str] = {}  # name to swap -> the traced parameter or buffer it holds
+    for first, name in [(n, n) for n in pnames + bnames] + [(f, o) for f, others in aliases.items() for o in others]:
+        owner, _, attr = name.rpartition(".")
+        slot = (id(model.get_submodule(owner)), attr)
+        if slot not in slots:
+            slots.add(slot)
+            distinct[name] = first
+
     def step(ps, bs, xs, *tgt):
-        state = {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}
-        for first, others in aliases.items():
-            state.update({o: state[first] for o in others})
+        held = {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}
+        state = {name: held[first] for name, first in distinct.items()}
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, state, tuple(xs), tie_weights=False)
             if output_dtype is not None:

@@ -83,13 +83,34 @@ def _hf(kind: str, **overrides) -> nn.Module:
                                type_vocab_size=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                **{**common, "max_position_embeddings": 66})  # positions start after the padding id
         cls = tf.RobertaForMaskedLM
+    elif kind == "hf-bart":  # encoder-decoder: cross-attention, learned positions, tied embeddings and head
+        cfg = tf.BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=8,
+                            decoder_attention_heads=8, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0,
+                            attention_dropout=0.0, activation_dropout=0.0, **common)
+        cls = tf.BartForConditionalGeneration
+    elif kind == "hf-mt5":  # encoder-decoder: relative position bias, gated GELU, untied head
+        cfg = tf.MT5Config(d_model=64, d_kv=8, d_ff=128, num_layers=2, num_heads=8, dropout_rate=0.0,
+                           feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=VOCAB, use_cache=False)
+        cls = tf.MT5ForConditionalGeneration
     else:
         raise KeyError(kind)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     # GPT-J and BLOOM have no SDPA path in transformers; their eager attention is what users run.
-    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom") else "sdpa"
-    return cls(cfg)
+    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom", "hf-mt5") else "sdpa"
+    model = cls(cfg)
+    return FeedBoth(model) if cfg.is_encoder_decoder else model
+
+
+class FeedBoth(nn.Module):
+    """An encoder-decoder as a user wraps one to train on token ids: the same ids into both."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, decoder_input_ids=ids).logits
 
 
 class TokenTable(nn.Module):
