@@ -11,8 +11,8 @@ import pytest
 from tests import dist_harness
 
 GRAD_TOL = 5e-7  # relative to the largest gradient entry when that is above 1
-LOSS_TOL = 2e-6  # first step: the same computation up to reduction order
-TRAJ_TOL = 2e-5  # later steps: AdamW divides by sqrt(v) and amplifies rounding on tiny gradients
+LOSS_TOL = 2e-6  # first step: the same computation up to reduction order (relative above a loss of 1)
+TRAJ_TOL = 2e-5  # later steps: AdamW divides by sqrt(v) and amplifies rounding on tiny gradients (likewise)
 # Mixed precision (bf16 compute) against FSDP2 with the same policy: both round to bf16, at
 # different points (Inductor fuses element-wise chains in fp32, eager rounds after each op), and
 # AdamW's normalised steps amplify it; measured on HF Llama under FSDP 4: 1e-5, 7e-5, 1.6e-3 over
@@ -22,7 +22,7 @@ MP_TOL = 5e-3
 TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
 MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-gemma", "hf-gpt2", "hf-neox",
           "hf-phi3", "hf-opt", "hf-qwen2-moe", "hf-mixtral", "custom-llama", "hf-gptj", "hf-bloom", "hf-falcon",
-          "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta"]
+          "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta", "hf-bart", "hf-mt5"]
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
@@ -109,9 +109,11 @@ def check(per_rank: list[dict], plan) -> None:
         if "user_loop" in x:
             u = x["user_loop"]
             assert u["grad_max_diff"] < GRAD_TOL * max(1.0, u["grad_scale"]), f"{x['name']} pm(x): {u['worst_param']}"
-        assert x["losses"][0] == pytest.approx(x["ref_losses"][0], abs=LOSS_TOL)
+        # fp32 rounding is relative: like the gradients', the tolerances scale with a loss above 1
+        # (mT5's untrained logits give a loss of 23)
+        assert x["losses"][0] == pytest.approx(x["ref_losses"][0], abs=LOSS_TOL * max(1.0, abs(x["ref_losses"][0])))
         for a, b in zip(x["losses"][1:], x["ref_losses"][1:]):
-            assert a == pytest.approx(b, abs=TRAJ_TOL), (x["name"], x["losses"], x["ref_losses"])
+            assert a == pytest.approx(b, abs=TRAJ_TOL * max(1.0, abs(b))), (x["name"], x["losses"], x["ref_losses"])
         if "clip_norm_diff" in x:
             assert x["clip_norm_diff"] < 1e-5
     assert len({tuple(x["losses"]) for x in per_rank}) == 1, "every rank reports the same loss"
