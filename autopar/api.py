@@ -815,11 +815,14 @@ def compile(
     """
     from autopar.runtime import guarded
 
+    t0 = time.perf_counter()
     with guarded("autopar.compile"):
-        return _compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, hardware=hardware,
-                        global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
-                        disable_passes=disable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
-                        tune_db=tune_db, mp_policy=mp_policy)
+        pm = _compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, hardware=hardware,
+                      global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
+                      disable_passes=disable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
+                      tune_db=tune_db, mp_policy=mp_policy)
+    pm.info["compile_s"] = time.perf_counter() - t0
+    return pm
 
 
 def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_batch, memory_limit_gb, compile,

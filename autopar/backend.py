@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,6 +196,28 @@ def _boxed(art) -> Callable:
     return unboxed
 
 
+class _Progress:
+    """``compile_graph`` that tells the terminal which graph Inductor compiles and how long it
+    took (rank 0 only: the others wait for it and then load its cached code; ``AUTOPAR_QUIET=1``
+    silences it)."""
+
+    def __init__(self, inductor: bool, show: bool, total: int):
+        self.inductor, self.total, self.done = inductor, total, 0
+        self.show = inductor and show and not os.environ.get("AUTOPAR_QUIET")
+
+    def __call__(self, gm: torch.fx.GraphModule, what: str) -> Callable:
+        self.done += 1
+        if not self.show:
+            return compile_graph(gm, self.inductor)
+        ops = sum(n.op == "call_function" for n in gm.graph.nodes)
+        print(f"autopar: Inductor compiles the {what} graph ({self.done}/{self.total}, {ops} ops)...",
+              file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        out = compile_graph(gm, self.inductor)
+        print(f"autopar: {what} graph compiled in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        return out
+
+
 def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None,
           dp: DPCollectives | None = None) -> CompiledStep:
     """Partition and compile. With several processes, rank 0 compiles first and the others
@@ -210,13 +234,15 @@ def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_wei
     ordered = inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
     if ordered and dist.get_rank() != 0:
         dist.barrier()
+    compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, 2 if split_weight is None else 3)
     try:
         if split_weight is None:
-            step = CompiledStep(compile_graph(fw, inductor), compile_graph(bw, inductor), fw, bw, n_outputs)
+            step = CompiledStep(compiled(fw, "forward"), compiled(bw, "backward"), fw, bw, n_outputs)
         else:  # the backward runs as its two parts only
-            step = CompiledStep(compile_graph(fw, inductor), None, fw, bw, n_outputs)
+            step = CompiledStep(compiled(fw, "forward"), None, fw, bw, n_outputs)
             bw_i, bw_w, step.n_input_grads = split_backward(bw, split_weight)
-            step.bw_input, step.bw_weight = compile_graph(bw_i, inductor), compile_graph(bw_w, inductor)
+            step.bw_input = compiled(bw_i, "backward (input gradients)")
+            step.bw_weight = compiled(bw_w, "backward (weight gradients)")
             step.bw_weight_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None
                                       for v in _example(bw_w)]
     finally:

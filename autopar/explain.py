@@ -259,6 +259,17 @@ def render_executed(info: dict, *, width: int | None = None) -> str:
     return buf.getvalue()
 
 
+def render_compile_time(info: dict) -> str:
+    """How long ``autopar.compile`` took on this rank, and how much of it Inductor."""
+    if "compile_s" not in info:
+        return ""
+    t = info.get("timings", {})
+    inductor = sum(v for k, v in t.items() if k.split()[-1] == "backend")
+    passes = sum(v for k, v in t.items() if k.split()[-1] != "backend")
+    return (f"autopar.compile took {info['compile_s']:.1f} s on this rank: graph passes {passes:.1f} s, "
+            f"partition and Inductor {inductor:.1f} s, the rest capture and planning\n")
+
+
 def render_checkpoint_change(path: str, old: Plan, new: Plan) -> str:
     """How a new plan differs from the one a checkpoint was saved under, and how to load it."""
     lines = [f"checkpoint {path}: saved under {old.as_config_string()} on {old.world_size} GPUs",

@@ -499,7 +499,7 @@ class ParallelModule(nn.Module):
         return [self.get_parameter(name) for name in self.info["param_names"]]
 
     def explain(self, graph: bool = False) -> str:
-        text = explain_mod.render(self.plan)
+        text = explain_mod.render(self.plan) + explain_mod.render_compile_time(self.info)
         if getattr(self, "tuning", None):
             text += explain_mod.render_tuning(self.tuning)
         if graph:

@@ -154,3 +154,20 @@ def test_full_ac_keeps_only_each_layers_input():
     # Layer i's output is layer i+1's input; the last one's is kept (or not) by the final norm.
     assert set(range(len(pm.plan.layers) - 1)) <= set(per_layer), per_layer
     assert all(shapes == [hidden] for shapes in per_layer.values()), per_layer
+
+
+def test_compile_tells_which_graph_it_compiles_and_how_long_it_took(model_and_plan, capsys, monkeypatch):
+    """A user waits for Inductor: each graph is announced with its place in line and its size,
+    and ``pm.explain()`` reports the compile's time and Inductor's share of it."""
+    import re
+
+    monkeypatch.delenv("AUTOPAR_QUIET", raising=False)
+    m, _, path = model_and_plan
+    ids, tgt = batch(1)
+    pm = autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path)
+    err = capsys.readouterr().err
+    assert re.search(r"autopar: Inductor compiles the forward graph \(1/2, \d+ ops\)", err), err
+    assert re.search(r"autopar: backward graph compiled in [\d.]+ s", err), err
+    line = next(ln for ln in pm.explain().splitlines() if ln.startswith("autopar.compile took"))
+    total, inductor = float(line.split()[2]), float(re.search(r"Inductor ([\d.]+) s", line).group(1))
+    assert 0 < inductor <= total, line
