@@ -504,10 +504,9 @@ def _mesh_world(mesh: Any) -> tuple[int, str]:
         raise AutoparError(f"mesh must be a DeviceMesh or a world size, got {type(mesh).__name__}")
     if hasattr(mesh, "device_type"):
         return _world(mesh), mesh.device_type
-    import torch.distributed as dist
+    from autopar.runtime import rank_device
 
-    dev = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return _world(mesh), dev
+    return _world(mesh), rank_device().type
 
 
 def _resolve_plan(plan_arg: Plan | dict, model: nn.Module, world: int, prof: Profiled, *, example_inputs, hardware,

@@ -170,8 +170,6 @@ def _boxed(art) -> Callable:
     import inspect
 
     fn, lifted = getattr(art, "_compiled_fn", None), None
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
-        fn = None  # an older AOTAutograd's wrappers take another layout (torch 2.11 crashed in it)
     while fn is not None:
         if inspect.isfunction(fn) and lifted is None:
             lifted = inspect.getclosurevars(fn).nonlocals.get("params_buffers_flat")

@@ -76,8 +76,10 @@ class Roles:
     linear and makes its columns *columns*; a column candidate whose output reaches the graph's
     output without a row is the *head*. A normalization over all of a linear's output features
     (a layer norm between two projections) is not head-local: its output, like the residual
-    stream, holds whole features, and the linears that read it are column (or head) candidates. A column whose output is split into ``k`` equal parts
-    along its features (fused QKV, gate/up) is sharded in ``k`` interleaved parts.
+    stream, holds whole features, and the linears that read it are column (or head) candidates
+    (a norm over one head's features, or a reduction after an attention product, is head-local).
+    A column whose output is split into ``k`` equal parts along its features (fused QKV, gate/up)
+    is sharded in ``k`` interleaved parts.
     """
 
     linears: list[GraphLinear]
@@ -217,8 +219,14 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
         elif any(a in residual for a in n.all_input_nodes):
             residual.add(n)
 
-    def frontier(x: torch.fx.Node) -> tuple[set, set]:
-        """The linears ``x`` is computed from without passing through a linear, and the nodes on the way."""
+    walked: dict = {}
+
+    def walk(x: torch.fx.Node, through_products: bool = True) -> tuple[set, set]:
+        """The linears ``x`` is computed from without passing through a linear (nor, unless
+        ``through_products``, a product of two activations: attention's), and the nodes on the
+        way (each walk once: the role tests ask for the same activations again)."""
+        if (x, through_products) in walked:
+            return walked[x, through_products]
         seen, stack, out = set(), [x], set()
         while stack:
             y = stack.pop()
@@ -227,28 +235,35 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
             seen.add(y)
             if y in linears:
                 out.add(y)
-            elif y not in pidx:
+            elif y not in pidx and (through_products or y.op != "call_function" or y.target not in _PRODUCTS):
                 stack += y.all_input_nodes
+        walked[x, through_products] = out, seen
         return out, seen
 
     def normalized(x: torch.fx.Node) -> bool:
-        """Whether ``x`` is computed from linears' outputs through a normalization over all of
-        one's output features (a layer norm between two projections, as in a masked-LM head or
-        multi-head latent attention): a whole-feature stream, which no feature shard computes."""
-        fr, between = frontier(x)
+        """Whether ``x`` is a linear's output normalized over all its output features (through
+        element-wise ops and views, no attention product in between: a layer norm between two
+        projections, as in a masked-LM head or a low-rank query): a whole-feature stream, which
+        no feature shard computes. A query normalized before attention (OLMo 2) is not: what
+        attention makes of it is per head."""
+        fr, between = walk(x, through_products=False)
         sizes = {int(phs[linears[f].weight].meta["val"].shape[linears[f].out_dim]) for f in fr}
-        return any(_reduced_features(y) in sizes and not any(z.target in _PRODUCTS for z in frontier(y)[1])
+        return any(_reduced_features(y) in sizes and not any(z.target in _PRODUCTS for z in walk(y, False)[1])
                    for y in between if y not in fr)
 
+    whole_of: dict = {}
+
     def whole(x: torch.fx.Node) -> bool:
-        return x in residual or normalized(x)
+        if x not in whole_of:
+            whole_of[x] = x in residual or normalized(x)
+        return whole_of[x]
 
     columns_of: dict = {}
     region: dict = {}
     for lin in linears.values():
         if whole(lin.act):
             continue
-        fr, between = frontier(lin.act)
+        fr, between = walk(lin.act)
         if fr and all(whole(linears[f].act) for f in fr):
             lin.role = "row"
             columns_of[lin.node], region[lin.node] = fr, between

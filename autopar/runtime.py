@@ -48,6 +48,14 @@ def init_distributed(backend: str | None = None) -> None:
     dist.init_process_group(backend)
 
 
+def rank_device() -> torch.device:
+    """This rank's device for tensors that go through ``torch.distributed``: its GPU when the
+    process group is NCCL (which reduces GPU tensors only), else the CPU."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class FailureWatch:
     """Bounded failure across ranks. An exception on one rank inside ``compile`` or ``step()`` is
     posted to the process group's store (first failure wins) and written into every other rank's

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from autopar.cost_models.hardware import Hardware
 from autopar.cost_models.hardware import load as load_hardware
+from autopar.runtime import rank_device
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -571,7 +572,7 @@ def measure_plan(model_factory: Callable, plan, example_inputs: tuple, *, loss_f
     pm.step(ids, target=tgt)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t = _timeit(lambda: pm.step(ids, target=tgt), steps, sync)
-    times = torch.tensor([t], device=_reduce_device())
+    times = torch.tensor([t], device=rank_device())
     if dist.is_initialized():
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else _cpu_peak_gb(pm, ids, tgt)
@@ -626,17 +627,10 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _reduce_device() -> torch.device:
-    """Where a tensor for ``dist.all_reduce`` lives: this rank's GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _cpu_peak_gb(pm, ids, tgt) -> float:
     params = list(pm.parameters())
     baseline = sum(_local_bytes(p) for p in params) * 2  # parameters and their gradients
-    peak = torch.tensor([PeakMemory(baseline).measure(lambda: pm.step(ids, target=tgt)) / 2**30], device=_reduce_device())
+    peak = torch.tensor([PeakMemory(baseline).measure(lambda: pm.step(ids, target=tgt)) / 2**30], device=rank_device())
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak)
@@ -650,7 +644,7 @@ def tune_plans(model_factory: Callable, candidates: list, example_inputs: tuple,
     for plan in candidates:
         stored = db.get(plan, hardware) if db is not None else None
         # Every rank must agree on whether to run (a collective decision).
-        flag = torch.tensor([0 if stored is not None else 1], device=_reduce_device())
+        flag = torch.tensor([0 if stored is not None else 1], device=rank_device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
@@ -757,8 +751,7 @@ def _model_inputs(model_spec: str, batch: int, seq_len: int | None):
     src = models.resolve(model_spec, seq_len=seq_len)
     seq = seq_len or src.seq_len
     ids = torch.randint(0, src.vocab_size or 256, (batch, seq), generator=torch.Generator().manual_seed(0))
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        ids = ids.cuda()
+    ids = ids.to(rank_device())
 
     def factory():
         torch.manual_seed(0)

@@ -148,6 +148,12 @@ def test_hf_gpt2_fused_qkv_is_a_column():
                        "self_attention.dense.weight": ("row", 0, 1)}),
     # A masked-LM head normalizes its dense layer's output over all its features before the
     # tied decoder reads it: no column/row pair, the decoder is the head (vocabulary-split logits).
+    # Query/key norms: over each head's features (Qwen3) or over all of them before attention
+    # (OLMo 2, its norm gathers the query): attention stays split by heads either way.
+    ("hf-qwen3", {"self_attn.q_proj.weight": ("column", 0, 1), "self_attn.k_proj.weight": ("column", 0, 1),
+                  "self_attn.o_proj.weight": ("row", 0, 1)}),
+    ("hf-olmo2", {"self_attn.q_proj.weight": ("column", 0, 1), "self_attn.k_proj.weight": ("column", 0, 1),
+                  "self_attn.o_proj.weight": ("row", 0, 1)}),
     ("hf-roberta", {"attention.self.query.weight": ("column", 0, 1), "attention.output.dense.weight": ("row", 0, 1),
                     "intermediate.dense.weight": ("column", 0, 1), "output.dense.weight": ("row", 0, 1)}),
 ])

@@ -78,6 +78,10 @@ def _hf(kind: str, **overrides) -> nn.Module:
                                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, topk_method="greedy",
                                   routed_scaling_factor=1.0, **common)
         cls = tf.DeepseekV2ForCausalLM
+    elif kind == "hf-qwen3":  # RMS norms over each head's queries and keys (head-local)
+        cfg, cls = tf.Qwen3Config(**llama_like, head_dim=8, tie_word_embeddings=False), tf.Qwen3ForCausalLM
+    elif kind == "hf-olmo2":  # RMS norms over all the query and key features (not head-local)
+        cfg, cls = tf.Olmo2Config(**llama_like), tf.Olmo2ForCausalLM
     elif kind == "hf-roberta":  # an encoder: bidirectional attention, masked-LM head (dense, GELU, layer norm) tied
         cfg = tf.RobertaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                                type_vocab_size=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,

@@ -22,6 +22,8 @@ pm = autopar.compile(build("llama-tiny"), dist.get_world_size(), example_inputs=
                      plan={"dp": 4, "fsdp": 0, "pp": 1}, global_batch=ids.shape[0])
 float(pm.step(ids, target=tgt))
 print(f"GOOD_STEP {time.time()}", flush=True)
+if os.environ.get("HOLD_RANK") == str(rank):
+    time.sleep(3)  # outside every guarded call when the failure arrives: it raises and ends at once
 try:
     for _ in range(2):
         float(pm.step(ids.float() if rank == fail else ids, target=tgt))
