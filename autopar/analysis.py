@@ -137,7 +137,8 @@ class BlockProfile:
     def fwd_flops(self) -> float:
         return float(self.costs.flops.sum())
     # What the min-cut partitioner saves (autopar's executor, and torch.compile's AOTAutograd):
-    # ac -> (TP-split bytes, replicated bytes) per sequence, as ``saved``; {} when not traced.
+    # ac -> (TP-split bytes, replicated bytes, whole bytes) per sequence, as ``saved`` plus the
+    # saved row-linear outputs, whole under TP and SP (before their reduction); {} when not traced.
     saved_partitioned: dict = field(default_factory=dict)
 
 
@@ -151,9 +152,16 @@ class OuterProfile:
     saved_vocab: float
     saved_rep: float
     # Per op, per sequence: (vocabulary-sized, other) bytes of its outputs' and its inputs'
-    # gradients, which its backward holds at once beside the saved tensors (the loss's softmax:
-    # two logits-sized fp32 tensors). Distinct pairs only.
+    # gradients, which its backward holds at once beside the saved tensors. Distinct pairs only.
+    # ``grad_ws``: the ops whose gradients Inductor's program makes as buffers (the head's
+    # matmul: its logits' gradient in the compute dtype, which the loss's fused backward writes);
+    # ``grad_ws_eager``: every op, as the eager graphs run (the loss's softmax: two logits-sized
+    # fp32 tensors).
+    # ``grad_out``: those ops' output gradients alone (the logits' gradient, which the loss's fused
+    # backward writes while the loss's saved tensors are still alive).
     grad_ws: list[tuple[float, float]] = field(default_factory=list)
+    grad_ws_eager: list[tuple[float, float]] = field(default_factory=list)
+    grad_out: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -486,11 +494,13 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         params_tp=params_tp, params_rep=params_all - params_tp, param_shapes=bt.param_shapes,
         saved=saved, hidden_bytes=hidden_bytes, tp_divisors=tp_div, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, quadratic_attention=quad_attn, tp_groups=tp_groups,
-        saved_partitioned=partitioned_saved(bt, batch, tp_nodes, hidden_bytes),
+        saved_partitioned=partitioned_saved(bt, batch, tp_nodes, hidden_bytes,
+                                            {r.name for r in found.columns_of}),
     )
 
 
-def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float) -> dict:
+def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float,
+                      row_nodes: set[str] = frozenset()) -> dict:
     """What the executor saves for the block's backward, per AC mode. Without AC: the block's
     joint forward and backward traced on its fake tensors and split by the min-cut partitioner
     (the executor's ``backend.partition``); saved values that are a parameter (or a view of one)
@@ -499,17 +509,18 @@ def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byt
     forward tagged by the AC pass's own policy (``passes.ac.recompute_policy``); full AC the
     input. Returns {} when the block cannot be traced this way (the eager ``saved`` is used then)."""
     try:
-        none = _partition_saved(bt, batch, tp_nodes, hidden_bytes)
-        sel = _partition_saved(bt, batch, tp_nodes, hidden_bytes, ac="selective")
+        none = _partition_saved(bt, batch, tp_nodes, hidden_bytes, row_nodes)
+        sel = _partition_saved(bt, batch, tp_nodes, hidden_bytes, row_nodes, ac="selective")
     except Exception as e:  # noqa: BLE001 - a block this recipe cannot trace: the eager estimate stands
         import logging
 
         logging.getLogger(__name__).info("partitioned saved activations of %s not traced: %s", bt.cls_name, e)
         return {}
-    return {"none": none, "selective": sel, "full": (0.0, hidden_bytes)}
+    return {"none": none, "selective": sel, "full": (0.0, hidden_bytes, 0.0)}
 
 
-def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float, ac: str = "none"):
+def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float,
+                     row_nodes: set[str] = frozenset(), ac: str = "none"):
     import torch.fx.traceback as fx_traceback
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._guards import detect_fake_mode
@@ -563,6 +574,12 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
     fw, _ = min_cut_rematerialization_partition(j, None, num_fwd_outputs=len(outs))
     (fo,) = fw.graph.find_nodes(op="output")
     params = {ph.meta["val"].untyped_storage()._cdata for ph in fw.graph.find_nodes(op="placeholder")}
+    # A row linear's output is whole under TP (partial sums, before their reduction) and under SP
+    # (the whole sequence, before the reduce-scatter). Selective AC saves every matmul's output,
+    # this one as it is, whole; without AC the partitioner saves its reduced value instead.
+    rows = {n.meta["val"].untyped_storage()._cdata for n in fw.graph.nodes
+            if ac != "none" and n.meta.get("custom", {}).get("source", "") in row_nodes
+            and isinstance(n.meta.get("val"), torch.Tensor)}
     seen: dict = {}
     for a in fo.args[0][len(outs):]:
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
@@ -570,10 +587,10 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
             continue
         key = v.untyped_storage()._cdata
         if key not in params:  # a parameter (a view of one) is not an activation
-            seen[key] = (v.untyped_storage().nbytes(), a.meta.get("custom", {}).get("source", "") in tp_nodes)
-    tp_b = sum(b for b, t in seen.values() if t) / batch
-    rep_b = sum(b for b, t in seen.values() if not t) / batch
-    return tp_b, rep_b + hidden_bytes
+            src = a.meta.get("custom", {}).get("source", "")
+            seen[key] = (v.untyped_storage().nbytes(), "whole" if key in rows else "tp" if src in tp_nodes else "rep")
+    by = {k: sum(b for b, c in seen.values() if c == k) / batch for k in ("tp", "rep", "whole")}
+    return by["tp"], by["rep"] + hidden_bytes, by["whole"]
 
 
 def _out_of_place(target):
@@ -616,13 +633,18 @@ def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProf
     # Saved for backward: vocabulary-sized tensors (the logits, the loss's softmax) live on their shards.
     sv = sum(s.bytes for s in trace.saved if s.segment == segment and vocab in s.shape) / batch
     sr = sum(s.bytes for s in trace.saved if s.segment == segment and vocab not in s.shape) / batch
-    ws = set()
+    ws, ws_eager, outs = set(), set(), set()
     for r in recs:
-        split = [0.0, 0.0]
-        for shape, nbytes in zip(r.out_shapes + r.in_shapes, r.out_bytes + r.in_bytes):
+        split, out = [0.0, 0.0], [0.0, 0.0]
+        for i, (shape, nbytes) in enumerate(zip(r.out_shapes + r.in_shapes, r.out_bytes + r.in_bytes)):
             split[vocab not in shape] += nbytes / batch
-        ws.add(tuple(split))
-    return OuterProfile(costs, pv, pr, sv, sr, sorted(ws))
+            if i < len(r.out_shapes):
+                out[vocab not in shape] += nbytes / batch
+        ws_eager.add(tuple(split))
+        if not r.fused_grad:
+            ws.add(tuple(split))
+            outs.add(tuple(out))
+    return OuterProfile(costs, pv, pr, sv, sr, sorted(ws), sorted(ws_eager), sorted(outs))
 
 
 def _is_before_blocks(pname: str, trace: ModelTrace) -> bool:

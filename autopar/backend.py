@@ -41,6 +41,7 @@ class CompiledStep:
     bw_weight: Callable | None = None
     n_input_grads: int = 0
     bw_weight_strides: list = None
+    inductor: bool = True  # compiled by Inductor (False: the graphs run as they are)
 
 
 @dataclass
@@ -246,6 +247,7 @@ def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_wei
     finally:
         if ordered and dist.get_rank() == 0:
             dist.barrier()
+    step.inductor = inductor
     step.bw_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in _example(bw)]
     step.compile_s = time.perf_counter() - t0
     log.info("backend: partition + %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)

@@ -37,6 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from autopar.errors import TraceError
+from autopar.memory import gradient_in_kernel
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class OpRecord:
     # Bytes of each output and input (0 for integer tensors, which have no gradient).
     out_bytes: list[int] = field(default_factory=list)
     in_bytes: list[int] = field(default_factory=list)
+    # Its backward runs inside Inductor's fused kernels (memory.gradient_in_kernel): compiled,
+    # its gradients are never buffers.
+    fused_grad: bool = False
 
 
 @dataclass
@@ -942,7 +946,7 @@ def model_trace(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_l
         grad_bytes = lambda ts: [tensor_bytes(t) if t.is_floating_point() else 0 for t in ts]  # noqa: E731
         ops.append(OpRecord(op, segment, op_flops(n.target, args, kwargs, out), nbytes,
                             [tuple(o.shape) for o in outs], [tuple(i.shape) for i in ins],
-                            grad_bytes(outs), grad_bytes(ins)))
+                            grad_bytes(outs), grad_bytes(ins), gradient_in_kernel(n)))
     saved = []
     for node_name, layer, entered in sg.saved:
         node = nodes[node_name]

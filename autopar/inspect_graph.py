@@ -102,7 +102,9 @@ def executed_memory(build, plan: Plan) -> dict:
 
     def walk(ac: list[str]) -> tuple[memory.Liveness, int]:
         pm = _compile(build, plan, len(ac), ac, dtype=dtype, batch=plan.dp * plan.mb)
-        live = memory.step_liveness(pm._step_runner.compiled, M, gradients=False)  # they are states
+        # The program Inductor makes of these graphs (what the default path runs), gradient shards
+        # apart (they are states).
+        live = memory.step_liveness(pm._step_runner.compiled, M, gradients=False, fused=True)
         held = sum(int(getattr(q, "_local_tensor", q).nbytes) for q in pm.parameters())
         del pm
         gc.collect()

@@ -16,8 +16,14 @@ by node on their fake-tensor metadata:
   the result is the step's peak above that, what ``allocator_peaks`` measures (``bench/memory.py``).
 
 With several microbatches the gradients of the earlier ones are held through the later ones.
-Inductor fuses element-wise chains, so a compiled graph allocates at most what the node-level
-walk finds (the eager graphs, ``compile=False``, allocate exactly that).
+
+Inductor (the default path) generates element-wise ops, reductions, dtype casts, softmax and the
+loss's own ops inside fused kernels: a value such an op makes and only such ops read (through any
+view), or a concatenation or scatter that computes it inline while writing its own output, is a
+register inside a kernel, never a buffer. ``fused=True`` walks that program (the one
+that runs by default); ``fused=False`` the eager graphs of ``compile=False``, which allocate every
+node's output. The difference is largest at the loss, where the fp32 logits, their log-softmax and
+its gradient are vocabulary-wide.
 """
 
 from __future__ import annotations
@@ -90,6 +96,41 @@ _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_wi
              "copy_out"}  # copy_out: passes/overlap.py's copy of each parameter out of a gathered bucket
 
 
+# Ops Inductor emits inside a generated kernel besides those torch tags element-wise or reductions:
+# dtype casts, constants, indexing reads, softmax and the loss, which it decomposes into both.
+_IN_KERNEL = {"_to_copy", "where", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "scalar_tensor",
+              "iota", "arange", "embedding", "gather", "index", "index_select", "_softmax", "_log_softmax",
+              "_softmax_backward_data", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
+              "scatter", "native_layer_norm", "native_layer_norm_backward", "native_dropout",
+              "native_dropout_backward"}
+# Ops whose generated kernel writes a new buffer and computes its element-wise inputs inline:
+# a concatenation (each input written into its slice of the output: the gradients' casts into
+# a flat reduce bucket) and the functional scatters (the input cloned inside the kernel that
+# writes the output: a scatter into ``zeros_like``).
+_WRITES_NEW = {torch.ops.aten.cat.default, torch.ops.aten.index_put.default, torch.ops.aten.scatter.src,
+               torch.ops.aten.scatter.value, torch.ops.aten.scatter_add.default}
+_KERNEL_TAGS = tuple(t for t in (getattr(torch.Tag, "pointwise", None), getattr(torch.Tag, "reduction", None)) if t)
+
+
+def in_kernel(n: torch.fx.Node) -> bool:
+    """Whether Inductor computes ``n`` inside a generated (fusible) kernel."""
+    from autopar.capture import op_name
+
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    return op_name(n.target) in _IN_KERNEL or any(t in n.target.tags for t in _KERNEL_TAGS)
+
+
+def gradient_in_kernel(n: torch.fx.Node) -> bool:
+    """Whether the backward of forward op ``n`` runs inside Inductor's kernels, so that its
+    gradients are values in registers rather than buffers: element-wise ops, reductions, casts,
+    softmax and the loss; not an indexing read (an embedding), whose backward scatters into a new
+    buffer."""
+    from autopar.capture import op_name
+
+    return in_kernel(n) and op_name(n.target) not in ("embedding", "gather", "index", "index_select")
+
+
 def _copies_gathered(n: torch.fx.Node, refs: dict, kind: dict) -> bool:
     """A parameter taken out of a gathered buffer (a copy or view of it): gathered too."""
     from autopar.capture import op_name
@@ -99,13 +140,14 @@ def _copies_gathered(n: torch.fx.Node, refs: dict, kind: dict) -> bool:
 
 
 def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: bool = False,
-                   preheld: frozenset = frozenset(), count_outputs: bool = True) -> GraphLiveness:
+                   preheld: frozenset = frozenset(), count_outputs: bool = True, fused: bool = True) -> GraphLiveness:
     """Walk ``gm`` in order. ``held``: bytes alive throughout (carried from an earlier graph);
     ``count_inputs``: whether the placeholders' buffers are this walk's to count (alive to the end);
     ``preheld``: names of placeholders the rank holds before the step (parameter shards, buffers,
     the batch, which the forward hands on to the backward), never counted; ``count_outputs``:
     whether the buffers this graph makes and returns are counted (False: the backward's gradient
-    shards, which the cost model prices among the states the rank holds)."""
+    shards, which the cost model prices among the states the rank holds); ``fused``: whether
+    values made and read only inside Inductor's kernels are left out (see the module docstring)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     (out_node,) = [n for n in nodes if n.op == "output"]
@@ -159,6 +201,17 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
         for k in refs[n]:
             first.setdefault(k, order[n])
     returned = set() if count_outputs else {k for a in outs for k in refs.get(a, []) if kind[k] == "other"}
+    if fused:
+        local = _kernel_locals(nodes, refs, kind, outs)
+        # A kernel-local value is computed where it is read: what it is computed from is read
+        # there too (the kernel that writes a loss's gradient reads the saved log-softmax).
+        for n in reversed(nodes):
+            mine = [k for k in refs[n] if k in local]
+            if mine:
+                for a in n.all_input_nodes:
+                    for k in refs.get(a, []):
+                        last[k] = max(last[k], *(last[m] for m in mine))
+        returned |= local
     starts: dict = {}
     frees: dict = {}
     for k in size:
@@ -197,17 +250,37 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
                          sum(size[k] for k in out_keys), curve, buffers, out_kinds)
 
 
-def step_liveness(compiled, microbatches: int = 1, gradients: bool = True) -> Liveness:
+def _kernel_locals(nodes: list, refs: dict, kind: dict, outs: set) -> set:
+    """The buffers a fused program never allocates: made by an in-kernel op, read (through any
+    view of them) only by in-kernel ops, and not returned."""
+    maker: dict = {}
+    readers: dict = {}
+    for n in nodes:
+        mine = set(refs.get(n, []))
+        for k in mine:
+            maker.setdefault(k, n)
+        for a in n.all_input_nodes:
+            for k in refs.get(a, []):
+                if k not in mine:  # a view of k is k itself; its readers read k
+                    readers.setdefault(k, []).append(n)
+    kept = {k for a in outs for k in refs.get(a, [])}
+    return {k for k, m in maker.items() if kind.get(k) == "other" and k not in kept and in_kernel(m)
+            and all(in_kernel(r) or r.target in _WRITES_NEW for r in readers.get(k, []))}
+
+
+def step_liveness(compiled, microbatches: int = 1, gradients: bool = True, fused: bool | None = None) -> Liveness:
     """The step's peak from its compiled graphs (``backend.CompiledStep``): the forward, then the
     backward, which starts with what the forward saved and frees each saved value at its last
     use (the runtime hands the saved values to the boxed graph, which owns them).
     ``gradients=False``: without the gradient shards the backward returns (and earlier
-    microbatches' held ones), the part of the step the cost model prices apart from its states."""
-    fw = graph_liveness(compiled.fw_graph)
+    microbatches' held ones), the part of the step the cost model prices apart from its states.
+    ``fused``: walk the program Inductor generates (default: whether it compiled these graphs)."""
+    fused = compiled.inductor if fused is None else fused
+    fw = graph_liveness(compiled.fw_graph, fused=fused)
     # The forward's inputs it saves for the backward (parameter shards, the batch) are the rank's
     # before the step: the backward receives them under the same placeholder names.
     inputs = frozenset(n.name for n in compiled.fw_graph.graph.find_nodes(op="placeholder"))
-    bw = graph_liveness(compiled.bw_graph, count_inputs=True, preheld=inputs, count_outputs=gradients)
+    bw = graph_liveness(compiled.bw_graph, count_inputs=True, preheld=inputs, count_outputs=gradients, fused=fused)
     grads = bw.out_bytes
     carried = grads if microbatches > 1 and gradients else 0  # earlier microbatches' gradients, held
     f_peak, b_peak = fw.peak_bytes + carried, bw.peak_bytes + carried

@@ -90,11 +90,14 @@ def test_activation_memory_scales_with_tp_sp_and_inflight(llama8b):
     saved = b.saved_partitioned["none"]  # what autopar's executor saves (min-cut partitioner)
     # ... and under SP each column group's gathered input, whole (3/4 of it beyond the shard).
     gathered = b.gathers * 2 * llama8b.seq_len * llama8b.hidden * 2 * (1 - 1 / 4)
+    assert saved[2] == 0  # without AC the row linears' reduced outputs are saved, split
     assert sm.coeffs.act["none"] == pytest.approx(2 * (saved[0] / 4 + saved[1] / 4) + gathered)
     # Under AC the executor gathers those inputs again in the backward (priced as time, not memory).
     sel = b.saved_partitioned["selective"]
-    assert sm.coeffs.act["selective"] == pytest.approx(2 * (sel[0] / 4 + sel[1] / 4))
-    assert sel[0] + sel[1] < saved[0] + saved[1]
+    # Selective AC keeps the row linears' outputs, whole (before their reduce-scatter).
+    assert sel[2] > 0
+    assert sm.coeffs.act["selective"] == pytest.approx(2 * (sel[0] / 4 + sel[1] / 4 + sel[2]))
+    assert sum(sel) < sum(saved)
     assert sm.coeffs.parts["selective"]["tp_comm"] > sm.coeffs.parts["none"]["tp_comm"]
     assert [sm.inflight(r) for r in range(4)] == [4, 3, 2, 1]
     nosp = StageModel(ctx, Config(tp=4, sp=False, pp=4, dp=2, mb=2))
@@ -304,17 +307,30 @@ def test_dp_all_reduce_after_the_backward_is_exposed_whole(llama8b):
 
 
 @pytest.mark.parametrize("tp", [1, 8])
-def test_loss_backward_holds_two_fp32_logits_beside_the_saved(llama8b, tp):
-    """The loss's log-softmax backward holds its output's and its input's gradients (fp32,
-    logits-sized, on the vocabulary shards under TP) while everything saved is still alive: the
-    step's peak when that is more than a layer's recomputed activations (Llama 3 8B, 128k vocab)."""
-    ctx = CostContext(llama8b, load_hardware("h100"), 8)
-    sm = StageModel(ctx, Config(tp=tp, sp=tp > 1, dp=8 // tp, mb=1))
+def test_loss_memory_compiled_and_eager(llama8b, tp):
+    """Compiled, the loss's backward is one fused kernel: beside the loss's saved tensors it writes
+    only the logits' gradient, in the compute dtype (loss parallelism adds its fp32 target mask);
+    eager, the log-softmax backward holds its output's and its input's gradients, two fp32
+    logits-sized tensors (Llama 3 8B, 128k vocab, on the vocabulary shards under TP). That moment
+    is the step's peak above the saved activations when it is the largest."""
     logits_fp32 = llama8b.seq_len * llama8b.vocab * 4 / tp
-    assert sm.outer["post"]["grad_ws"] == pytest.approx(2 * logits_fp32, rel=1e-6)
-    assert sm.coeffs.backward_ws < 2 * logits_fp32
-    outer_act = sm.outer["pre"]["act"] + sm.outer["post"]["act"]
-    assert sm.rank_memory(0, (0, 0, 0))["activations"] == pytest.approx(outer_act + 2 * logits_fp32, rel=1e-6)
+    for compiled in (True, False):
+        ctx = CostContext(llama8b, load_hardware("h100"), 8, compiled=compiled)
+        sm = StageModel(ctx, Config(tp=tp, sp=tp > 1, dp=8 // tp, mb=1))
+        post = sm.outer["post"]
+        if compiled:
+            assert post["grad_out"] == pytest.approx(logits_fp32 / 4 * ctx.act_bytes, rel=1e-6)
+            assert post["grad_ws"] < 2 * logits_fp32
+        else:
+            assert post["grad_ws"] == post["grad_out"] == pytest.approx(2 * logits_fp32, rel=1e-6)
+        loss = post["act_vocab"] + post["grad_out"] + (logits_fp32 if tp > 1 else 0.0)
+        assert loss > sm.coeffs.act["none"]
+        outer = sm.outer["pre"]["act"] + post["act_rep"]
+        peak = sm.rank_memory(0, (0, 0, 0))["activations"]
+        if tp == 1:
+            assert peak == pytest.approx(outer + loss, rel=1e-6)
+        else:  # the embedding's backward (its output whole on every TP rank) is larger here
+            assert peak >= outer + loss
 
 
 @pytest.mark.parametrize("tp", [1, 8])

@@ -154,10 +154,8 @@ def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
     assert ex["step_peak"] == pytest.approx(direct, rel=0.02)
 
 
-# At this size the prediction is 8-11% above the executed step: it adds a working set (two layers'
-# gathered weights, one bucket of fp32 gradients) to the peak activations, where the executed peak
-# (the start of the backward) holds less; at llama3-8b/64 and llama3-70b/256 (``explain --graph``)
-# the two are within 5.3%.
+# At this size the prediction is 3-8% from the executed step (the program Inductor makes of the
+# graphs); at llama3-8b/64 and llama3-70b/256 (``explain --graph``) within 3%.
 @pytest.mark.parametrize("pin", ["dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1", "dp=4,fsdp=1,tp=1,pp=1,ac=full,mb=1",
                                  "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=selective,mb=1"])
 def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
@@ -172,25 +170,31 @@ def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
     ex = inspect_graph.executed_memory(lambda: models.Llama(models.PRESETS["llama-small"]), plan)
     pred = plan.predicted["memory_breakdown_gb"]
     predicted = (pred["unsharded_params"] + pred["activations"]) * 2**30
-    assert ex["step_peak"] == pytest.approx(predicted, rel=0.12), (ex["per_layer"], pred)
+    assert ex["step_peak"] == pytest.approx(predicted, rel=0.10), (ex["per_layer"], pred)
 
 
-def test_compiled_step_allocates_what_its_graphs_hold(fake_group):
+# (precision, reshard after forward, lowest measured/walked). Resharded, the peak is at the first
+# layer's backward, where the step allocated 11.7 MiB against the walk's 13.1: a gap among the
+# collectives' buffers (the walk keeps a collective's input until its wait) not yet accounted for.
+@pytest.mark.parametrize("mp,reshard,lowest", [(None, 1, 0.85), ("bf16-mixed", 0, 0.97)])
+def test_compiled_step_allocates_what_its_graphs_hold(fake_group, mp, reshard, lowest):
     """One real step of the Inductor-compiled FSDP graphs (fake process group: collectives allocate
-    their outputs and move nothing) allocates at its peak what the liveness walk of the same graphs
-    holds. On a model whose layers' weights outweigh its activations, a gathered buffer kept alive
-    a layer longer than the graph order says (Inductor fusing a parameter's read into a later
-    kernel, which ``autopar::copy_out`` prevents) shows as a layer's weights more."""
+    their outputs and move nothing) allocates at its peak what the liveness walk of the program
+    Inductor makes of the same graphs holds: values made and read inside its fused kernels are no
+    buffers (bf16-mixed: each gradient's fp32 cast is written straight into the flat reduce
+    bucket, which the walk of every node's output, the eager graphs', counts twice). A gathered
+    buffer kept alive a layer longer than the graph order says (Inductor fusing a parameter's read
+    into a later kernel, which ``autopar::copy_out`` prevents) shows as a layer's weights more."""
     torch.manual_seed(0)
     model = zoo.build("llama-small-4layers")
     ids = torch.randint(0, 1024, (8, 16))
-    pm = autopar.compile(model, WORLD, example_inputs=(ids,), plan={**FSDP, "mb": 2})
+    pm = autopar.compile(model, WORLD, example_inputs=(ids,), plan={**FSDP, "mb": 2, "reshard": reshard}, mp_policy=mp)
     step = lambda: pm.step(ids, target=ids)  # noqa: E731
     step()
     for p in pm.parameters():
         p.grad = None
     measured = memory.allocator_peaks(step)[1] * 2**20
     walked = memory.step_peak(pm).peak_bytes
-    # The walk is an upper bound (Inductor only fuses away what it counts: 11.7 against 13.0 MiB);
-    # with the flat buffer kept a layer longer the step allocated 15.2.
-    assert 0.85 * walked <= measured <= 1.03 * walked, (measured / 2**20, walked / 2**20)
+    assert lowest * walked <= measured <= 1.03 * walked, (measured / 2**20, walked / 2**20)
+    if mp:
+        assert memory.step_liveness(pm._step_runner.compiled, fused=False).peak_bytes > 1.1 * walked

@@ -345,12 +345,10 @@ class StageModel:
             }
             time[ac] = sum(parts[ac].values())
             hidden[ac] = max(0.0, busy - parts[ac]["fsdp_comm"])
-            s_tp, s_rep = saved[ac]
-            act[ac] = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
+            act[ac] = mb * ctx.bytes_scale * _split_saved(saved[ac], tp, seq_div)
             if sp_gathered and ac == "none":
                 act[ac] += sp_gathered
-        s_tp, s_rep = saved["none"]
-        ws = mb * ctx.bytes_scale * (s_tp / tp + s_rep / seq_div)
+        ws = mb * ctx.bytes_scale * _split_saved(saved["none"], tp, seq_div)
         return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws, hidden)
 
     def _fsdp_exposed(self, ag: float, rs: float, fwd: float, bwd: float, reshard: bool) -> float:
@@ -469,7 +467,13 @@ class StageModel:
                    for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
         saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
         # The backward's gradients of one op's outputs and inputs (the vocabulary part on its shards).
-        grad_ws = mb * ctx.bytes_scale * max((v / tp + r for v, r in prof.grad_ws), default=0.0)
+        def largest(pairs) -> float:
+            return mb * ctx.bytes_scale * max((v / tp + r for v, r in pairs), default=0.0)
+
+        grad_ws = largest(prof.grad_ws if ctx.compiled else prof.grad_ws_eager)
+        # Compiled, the loss's backward is one fused kernel: it writes the logits' gradient while
+        # the loss's saved tensors are alive; eager, its ops' gradients are ``grad_ws`` beside them.
+        grad_out = largest(prof.grad_out) if ctx.compiled else grad_ws
         eager = self._eager_tp_overhead(1, 0)  # the vocabulary-parallel embedding or head
         return {
             "time": ct.fwd + ct.bwd + tp_t + fsdp + eager,
@@ -478,7 +482,10 @@ class StageModel:
             "working": p_local * ctx.act_bytes,
             "hidden_comm": max(0.0, busy - fsdp),
             "act": saved,
+            "act_vocab": mb * ctx.bytes_scale * prof.saved_vocab / tp,
+            "act_rep": mb * ctx.bytes_scale * prof.saved_rep,
             "grad_ws": grad_ws,
+            "grad_out": grad_out,
             "flops": ct.flops,
         }
 
@@ -517,52 +524,78 @@ class StageModel:
         first, last, inflight = r == 0, r == self.post_rank, self.inflight(r)
         key = (first, last, inflight if first else None)
         if key not in self._affine:
-            self._affine[key] = (self.rank_time(r, (0, 0, 0)), sum(self.rank_memory(r, (0, 0, 0)).values()))
+            self._affine[key] = (self.rank_time(r, (0, 0, 0)), sum(self.rank_memory(r, (0, 0, 0), bound=True).values()))
         t0, m0 = self._affine[key]
         act = [self.coeffs.act[a] for a in AC_MODES]
         if self._layer_memory is None:  # a layer's memory less its activations, from this rank
-            self._layer_memory = [sum(self.rank_memory(r, e).values()) - m0 - inflight * act[i]
+            self._layer_memory = [sum(self.rank_memory(r, e, bound=True).values()) - m0 - inflight * act[i]
                                   for i, e in enumerate(((1, 0, 0), (0, 1, 0), (0, 0, 1)))]
         mc = [base + inflight * x for base, x in zip(self._layer_memory, act)]
         return t0, [self.coeffs.time[a] for a in AC_MODES], m0, mc
 
-    def rank_memory(self, r: int, ac: tuple[int, int, int]) -> dict:
-        cfg, c = self.cfg, self.coeffs
+    def rank_memory(self, r: int, ac: tuple[int, int, int], bound: bool = False) -> dict:
+        """Rank ``r``'s memory at its peak with ``ac`` = its (none, selective, full) layer counts.
+
+        The step's peak is in its backward, with every layer's saved activations alive (``act``),
+        the gathered parameters (``working``) and, on top, the largest of these moments (the
+        compiled program's: the loss's and the head's gradients are made in fused kernels,
+        ``memory.py``): the loss's forward and backward, beside the loss's saved vocabulary-sized
+        tensors;
+        the head's backward and its gradients' reduction, those tensors freed; a layer's backward
+        start, with what it recomputes; a layer's backward end, its own activations freed and its
+        gradients copied into the flat bucket of their reduction, in the reduce dtype; the
+        embedding's backward and reduction. ``bound``: the layer moments over every AC mode, not
+        only those in ``ac`` (``rank_affine``'s constant, which must not depend on the counts)."""
+        cfg, c, ctx = self.cfg, self.coeffs, self.ctx
         n = sum(ac)
-        act = self.inflight(r) * sum(k * c.act[a] for k, a in zip(ac, AC_MODES))
+        inflight = self.inflight(r)
+        act = inflight * sum(k * c.act[a] for k, a in zip(ac, AC_MODES))
         static = n * c.static
         working = 0.0
+        keep = cfg.reshard and cfg.fsdp_once != "gather"
         if cfg.shard > 1:
-            keep = cfg.reshard and cfg.fsdp_once != "gather"
             working = ((1 + cfg.prefetch) * c.working_param) if keep else n * c.working_param
             if cfg.fsdp_once:  # unsharded fp32 gradients accumulated across the microbatches
-                working += n * c.working_param / self.ctx.act_bytes * self.ctx.reduce_bytes
+                working += n * c.working_param / ctx.act_bytes * ctx.reduce_bytes
+
+        def flat(param_bytes: float) -> float:
+            """The flat reduce buffer of a bucket of ``param_bytes`` (compute dtype); none where the
+            gradients accumulate unsharded and are reduced in place (fsdp_once) or are not reduced."""
+            if cfg.dp == 1 or cfg.fsdp_once:
+                return 0.0
+            return param_bytes / ctx.act_bytes * ctx.reduce_bytes
+
+        # A layer's weight gradients (compute dtype) and their flat reduce buffer.
+        grads = c.working_param + flat(c.working_param)
+        modes = [a for k, a in zip(ac, AC_MODES) if k or bound] or ["none"]
+        moments = [max(c.act["none"] - c.act[a], grads - c.act[a]) for a in modes]
         post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
         outer_act = 0.0
-        # The backward's working set beyond what is saved: a layer's recomputed activations, or
-        # the gradients of the embedding's or the head and loss's largest op, whichever is larger.
-        ws = c.backward_ws
         for name, on in (("pre", r == 0), ("post", r == self.post_rank)):
-            if on:
-                o = self.outer[name]
-                static += o["static"]
-                outer_act += o["act"] * (post_inflight if name == "post" else self.inflight(r))
-                ws = max(ws, o["grad_ws"])
-                if cfg.shard > 1:
-                    working = max(working, o["working"]) if keep else working + o["working"] * (
-                        1 + (self.ctx.reduce_bytes / self.ctx.act_bytes if cfg.fsdp_once else 0))
-        prec = self.ctx.prec
-        if cfg.shard > 1 and prec.reduce != prec.compute and not cfg.fsdp_once:
-            # One bucket's gradients cast to the reduce dtype for their reduce-scatter, as FSDP2's.
-            buckets = [c.working_param]
-            buckets += [self.outer["pre"]["working"]] if r == 0 else []
-            buckets += [self.outer["post"]["working"]] if r == self.post_rank else []
-            working += max(buckets) / self.ctx.act_bytes * self.ctx.reduce_bytes
+            if not on:
+                continue
+            o = self.outer[name]
+            static += o["static"]
+            if name == "post":
+                outer_act += o["act_rep"] * post_inflight
+                loss = o["act_vocab"] * post_inflight + o["grad_out"]
+                if cfg.tp > 1:  # loss parallelism (DTensor's) also writes an fp32 logits-sized target mask
+                    loss += o["grad_out"] / ctx.act_bytes * 4
+                moments += [loss, o["grad_ws"] + flat(o["working"])]
+            else:
+                outer_act += o["act"] * inflight
+                moments.append(o["grad_ws"] + flat(o["working"]))
+            if cfg.shard > 1:
+                # The head's gathered weight is kept for its backward; the embedding's (its
+                # backward reads no weight) only at the top of the forward.
+                keep_whole = not keep and name == "post"
+                working = working + o["working"] * (1 + (ctx.reduce_bytes / ctx.act_bytes if cfg.fsdp_once else 0)) \
+                    if keep_whole else max(working, o["working"])
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,
-            "activations": act + ws + outer_act,
-            "reserve": self.ctx.hw.reserve_gb * GiB,
+            "activations": act + outer_act + max(moments),
+            "reserve": ctx.hw.reserve_gb * GiB,
         }
 
     # -- whole step ---------------------------------------------------------------------------
@@ -760,6 +793,13 @@ class StageModel:
                 out.append({"kind": "all_reduce", "group": "pp ends", "group_size": 2, "bytes": self.tied_grad_bytes,
                             "count": 1, "why": "gradients of the weight tied across the first and last stage"})
         return out
+
+
+def _split_saved(saved: tuple, tp: int, seq_div: int) -> float:
+    """One rank's share of a layer's saved bytes ``(TP-split, replicated[, whole])``: the TP-split
+    part on its shard, the replicated part on its sequence shard under SP, the whole part (a row
+    linear's output before its reduction) whole."""
+    return saved[0] / tp + saved[1] / seq_div + (saved[2] if len(saved) > 2 else 0.0)
 
 
 def tp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
