@@ -91,6 +91,11 @@ def _vals(n: torch.fx.Node) -> list:
     return [v] if isinstance(v, torch.Tensor) else []
 
 
+_aten = torch.ops.aten
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.slice.Tensor, _aten.t.default,
+          _aten.transpose.int, _aten.permute.default, _aten.expand.default, _aten.select.int, _aten.alias.default,
+          _aten.squeeze.dim, _aten.unsqueeze.default, _aten.as_strided.default, _aten.detach.default}
+
 _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_with_sizes", "split", "getitem",
              "t", "permute", "transpose", "expand", "slice", "alias", "_to_copy", "convert_element_type",
              "copy_out"}  # copy_out: passes/overlap.py's copy of each parameter out of a gathered bucket
@@ -161,8 +166,10 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     end = len(nodes)
     for n in nodes:
         keys = []
-        if n.target is _WAIT and n.args and isinstance(n.args[0], torch.fx.Node):
-            refs[n] = list(refs.get(n.args[0], []))  # the wait's result is the collective's buffer
+        if (n.target is _WAIT or n.target in _VIEWS) and n.args and isinstance(n.args[0], torch.fx.Node):
+            # The wait's result is the collective's buffer; a view's is its base's (also where a
+            # pass made the view's fake value apart from its base's storage).
+            refs[n] = list(refs.get(n.args[0], []))
             for v, k in zip(_vals(n), refs[n]):
                 if _storage(v) is not None:
                     canon[_storage(v)] = k  # and so are views of the wait's result

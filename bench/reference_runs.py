@@ -204,7 +204,7 @@ def predict(spec: dict, eff: dict) -> tuple[float, float]:
     prof = profiled(spec["model"], spec["seq"])
     hw = load_hardware(spec["hardware"]).with_efficiency(**eff.get(spec["hardware"], {}))
     ctx = CostContext(prof, hw, spec["global_batch"], "bf16-mixed", spec["compiled"], spec["async_tp"], spec["fp8"],
-                      activations=spec["activations"])
+                      activations=spec["activations"], fused_loss=False)
     sm = StageModel(ctx, spec["cfg"])
     e = sm.evaluate(uniform_assignment(sm, spec["ac"]))
     return e.tokens_per_s_per_gpu, e.peak_memory_gb

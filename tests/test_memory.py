@@ -155,7 +155,7 @@ def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
 
 
 # At this size the prediction is 3-8% from the executed step (the program Inductor makes of the
-# graphs); at llama3-8b/64 and llama3-70b/256 (``explain --graph``) within 3%.
+# graphs); at llama3-8b/64 and llama3-70b/256 (``explain --graph``) within 3.5%.
 @pytest.mark.parametrize("pin", ["dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1", "dp=4,fsdp=1,tp=1,pp=1,ac=full,mb=1",
                                  "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=selective,mb=1"])
 def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
@@ -174,9 +174,10 @@ def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
 
 
 # (precision, reshard after forward, lowest measured/walked). Resharded, the peak is at the first
-# layer's backward, where the step allocated 11.7 MiB against the walk's 13.1: a gap among the
-# collectives' buffers (the walk keeps a collective's input until its wait) not yet accounted for.
-@pytest.mark.parametrize("mp,reshard,lowest", [(None, 1, 0.85), ("bf16-mixed", 0, 0.97)])
+# layer's backward, where the walk keeps the regather's input (the concatenated shards, 0.69 MiB)
+# until the gather's wait, as a real transport holds it; the fake group's gather is done at once
+# and its input freed: 11.7 MiB allocated against 12.4 walked.
+@pytest.mark.parametrize("mp,reshard,lowest", [(None, 1, 0.93), ("bf16-mixed", 0, 0.97)])
 def test_compiled_step_allocates_what_its_graphs_hold(fake_group, mp, reshard, lowest):
     """One real step of the Inductor-compiled FSDP graphs (fake process group: collectives allocate
     their outputs and move nothing) allocates at its peak what the liveness walk of the program

@@ -140,7 +140,9 @@ def test_sensible_choices(llama8b):
 
 def test_rank_affine_is_the_rank_model(llama8b):
     """The search prices ranks from ``rank_affine``'s few evaluations: on every configuration of
-    64 GPUs, every rank, and mixes of layer counts, it equals ``rank_time``/``rank_memory``."""
+    64 GPUs, every rank, and mixes of layer counts, its time equals ``rank_time`` and its memory
+    bounds ``rank_memory`` from above, equal to it where every AC mode is in the mix (the peak's
+    layer moment, recompute or gradient reduction, is then the bound's own)."""
     ctx = CostContext(llama8b, load_hardware("h100"), 256)
     checked = 0
     for cfg in search.enumerate_configs(ctx, 64, {})[::7]:
@@ -149,7 +151,9 @@ def test_rank_affine_is_the_rank_model(llama8b):
             t0, tc, m0, mc = sm.rank_affine(r)
             for ac in ((0, 0, 0), (3, 0, 0), (1, 2, 0), (0, 1, 4), (2, 2, 2)):
                 assert t0 + sum(n * c for n, c in zip(ac, tc)) == pytest.approx(sm.rank_time(r, ac), rel=1e-12)
-                assert m0 + sum(n * c for n, c in zip(ac, mc)) == pytest.approx(sum(sm.rank_memory(r, ac).values()),
-                                                                              rel=1e-12)
+                affine, exact = m0 + sum(n * c for n, c in zip(ac, mc)), sum(sm.rank_memory(r, ac).values())
+                assert affine >= exact * (1 - 1e-12)
+                if all(ac):
+                    assert affine == pytest.approx(exact, rel=1e-12)
                 checked += 1
     assert checked > 1000

@@ -167,6 +167,10 @@ class CostContext:
     # keeps (autopar's executor; torch.compile'd blocks), or "autograd", what eager autograd
     # keeps (Megatron-LM, DeepSpeed, eager FSDP2; Korthikanti et al.'s closed forms).
     activations: str = "partitioned"
+    # The head and the loss compiled with the rest of the step, so that the loss's backward is one
+    # fused kernel (autopar's executor: one graph); False where they run eagerly beside compiled
+    # blocks (the published runs: torchtitan compiles each block, its loss ran eagerly).
+    fused_loss: bool = True
 
     @property
     def limit_bytes(self) -> float:
@@ -470,10 +474,12 @@ class StageModel:
         def largest(pairs) -> float:
             return mb * ctx.bytes_scale * max((v / tp + r for v, r in pairs), default=0.0)
 
-        grad_ws = largest(prof.grad_ws if ctx.compiled else prof.grad_ws_eager)
+        fused = ctx.compiled and ctx.fused_loss
+        grad_ws = largest(prof.grad_ws if fused else prof.grad_ws_eager)
         # Compiled, the loss's backward is one fused kernel: it writes the logits' gradient while
         # the loss's saved tensors are alive; eager, its ops' gradients are ``grad_ws`` beside them.
-        grad_out = largest(prof.grad_out) if ctx.compiled else grad_ws
+        logits = largest(prof.grad_out)  # the head's output (its gradient, compiled) in the compute dtype
+        grad_out = logits if fused else grad_ws
         eager = self._eager_tp_overhead(1, 0)  # the vocabulary-parallel embedding or head
         return {
             "time": ct.fwd + ct.bwd + tp_t + fsdp + eager,
@@ -486,6 +492,7 @@ class StageModel:
             "act_rep": mb * ctx.bytes_scale * prof.saved_rep,
             "grad_ws": grad_ws,
             "grad_out": grad_out,
+            "logits": logits,
             "flops": ct.flops,
         }
 
@@ -580,17 +587,18 @@ class StageModel:
                 outer_act += o["act_rep"] * post_inflight
                 loss = o["act_vocab"] * post_inflight + o["grad_out"]
                 if cfg.tp > 1:  # loss parallelism (DTensor's) also writes an fp32 logits-sized target mask
-                    loss += o["grad_out"] / ctx.act_bytes * 4
+                    loss += o["logits"] / ctx.act_bytes * 4
                 moments += [loss, o["grad_ws"] + flat(o["working"])]
             else:
                 outer_act += o["act"] * inflight
                 moments.append(o["grad_ws"] + flat(o["working"]))
             if cfg.shard > 1:
-                # The head's gathered weight is kept for its backward; the embedding's (its
-                # backward reads no weight) only at the top of the forward.
-                keep_whole = not keep and name == "post"
-                working = working + o["working"] * (1 + (ctx.reduce_bytes / ctx.act_bytes if cfg.fsdp_once else 0)) \
-                    if keep_whole else max(working, o["working"])
+                if keep:  # gathered at use and freed: one of the working set
+                    working = max(working, o["working"])
+                elif name == "post":  # the head's gathered weight is kept for its backward
+                    working += o["working"] * (1 + (ctx.reduce_bytes / ctx.act_bytes if cfg.fsdp_once else 0))
+                # Not resharded, the embedding's weight is still freed after its forward (its
+                # backward reads no weight), far from the backward's peak.
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,
@@ -798,8 +806,9 @@ class StageModel:
 def _split_saved(saved: tuple, tp: int, seq_div: int) -> float:
     """One rank's share of a layer's saved bytes ``(TP-split, replicated[, whole])``: the TP-split
     part on its shard, the replicated part on its sequence shard under SP, the whole part (a row
-    linear's output before its reduction) whole."""
-    return saved[0] / tp + saved[1] / seq_div + (saved[2] if len(saved) > 2 else 0.0)
+    linear's output, which selective AC saves before its reduction, whole, and after it, on the
+    sequence shard under SP) twice."""
+    return saved[0] / tp + saved[1] / seq_div + (saved[2] * (1 + 1 / seq_div) if len(saved) > 2 else 0.0)
 
 
 def tp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
