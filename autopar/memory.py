@@ -91,10 +91,17 @@ def _vals(n: torch.fx.Node) -> list:
     return [v] if isinstance(v, torch.Tensor) else []
 
 
-_aten = torch.ops.aten
-_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.slice.Tensor, _aten.t.default,
-          _aten.transpose.int, _aten.permute.default, _aten.expand.default, _aten.select.int, _aten.alias.default,
-          _aten.squeeze.dim, _aten.unsqueeze.default, _aten.as_strided.default, _aten.detach.default}
+_views: dict = {}
+
+
+def _is_view(target) -> bool:
+    """Whether ``target`` returns one tensor aliasing its input (its schema says so, as for
+    ``view``, ``t``, ``slice``, ``expand``; ``_unsafe_view`` aliases without saying it)."""
+    if target not in _views:
+        rets = target._schema.returns if isinstance(target, torch._ops.OpOverload) else ()
+        _views[target] = target is torch.ops.aten._unsafe_view.default or (
+            len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
+    return _views[target]
 
 _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_with_sizes", "split", "getitem",
              "t", "permute", "transpose", "expand", "slice", "alias", "_to_copy", "convert_element_type",
@@ -106,8 +113,7 @@ _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_wi
 _IN_KERNEL = {"_to_copy", "where", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "scalar_tensor",
               "iota", "arange", "embedding", "gather", "index", "index_select", "_softmax", "_log_softmax",
               "_softmax_backward_data", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
-              "scatter", "native_layer_norm", "native_layer_norm_backward", "native_dropout",
-              "native_dropout_backward"}
+              "native_layer_norm", "native_layer_norm_backward", "native_dropout", "native_dropout_backward"}
 # Ops whose generated kernel writes a new buffer and computes its element-wise inputs inline:
 # a concatenation (each input written into its slice of the output: the gradients' casts into
 # a flat reduce bucket) and the functional scatters (the input cloned inside the kernel that
@@ -166,7 +172,7 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     end = len(nodes)
     for n in nodes:
         keys = []
-        if (n.target is _WAIT or n.target in _VIEWS) and n.args and isinstance(n.args[0], torch.fx.Node):
+        if (n.target is _WAIT or _is_view(n.target)) and n.args and isinstance(n.args[0], torch.fx.Node):
             # The wait's result is the collective's buffer; a view's is its base's (also where a
             # pass made the view's fake value apart from its base's storage).
             refs[n] = list(refs.get(n.args[0], []))
@@ -208,8 +214,12 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
         for k in refs[n]:
             first.setdefault(k, order[n])
     returned = set() if count_outputs else {k for a in outs for k in refs.get(a, []) if kind[k] == "other"}
+    maker: dict = {}  # buffer key -> the node that makes it
+    for n in nodes:
+        for k in refs[n]:
+            maker.setdefault(k, n)
     if fused:
-        local = _kernel_locals(nodes, refs, kind, outs)
+        local = _kernel_locals(nodes, refs, kind, outs, maker)
         # A kernel-local value is computed where it is read: what it is computed from is read
         # there too (the kernel that writes a loss's gradient reads the saved log-softmax).
         for n in reversed(nodes):
@@ -241,13 +251,9 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
             live -= size[k]
             live_set.discard(k)
     kinds: dict = {"held": held}
-    maker = {}
-    for n in nodes:
-        for k in refs[n]:
-            maker.setdefault(k, n.name)
     for k in peak_set:
         kinds[kind[k]] = kinds.get(kind[k], 0) + size[k]
-    buffers = sorted(((size[k], maker[k]) for k in peak_set), reverse=True)
+    buffers = sorted(((size[k], maker[k].name) for k in peak_set), reverse=True)
     out_keys = {k for a in outs for k in refs.get(a, [])
                 if kind[k] != "preheld" and not (kind[k] == "input" and not count_inputs) and k not in returned}
     out_kinds: dict = {}
@@ -257,15 +263,12 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
                          sum(size[k] for k in out_keys), curve, buffers, out_kinds)
 
 
-def _kernel_locals(nodes: list, refs: dict, kind: dict, outs: set) -> set:
+def _kernel_locals(nodes: list, refs: dict, kind: dict, outs: set, maker: dict) -> set:
     """The buffers a fused program never allocates: made by an in-kernel op, read (through any
     view of them) only by in-kernel ops, and not returned."""
-    maker: dict = {}
     readers: dict = {}
     for n in nodes:
         mine = set(refs.get(n, []))
-        for k in mine:
-            maker.setdefault(k, n)
         for a in n.all_input_nodes:
             for k in refs.get(a, []):
                 if k not in mine:  # a view of k is k itself; its readers read k

@@ -210,7 +210,6 @@ class LayerCoeffs:
     static: float  # parameter/gradient/optimizer bytes per layer
     working_param: float  # unsharded bytes of one layer's parameters (FSDP)
     parts: dict  # named components for the breakdown (ac -> {name: seconds})
-    backward_ws: float  # one layer's backward working set (bytes)
     hidden_comm: dict = field(default_factory=dict)  # ac -> comm seconds overlapped with compute
 
 
@@ -352,8 +351,7 @@ class StageModel:
             act[ac] = mb * ctx.bytes_scale * _split_saved(saved[ac], tp, seq_div)
             if sp_gathered and ac == "none":
                 act[ac] += sp_gathered
-        ws = mb * ctx.bytes_scale * _split_saved(saved["none"], tp, seq_div)
-        return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, ws, hidden)
+        return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, hidden)
 
     def _fsdp_exposed(self, ag: float, rs: float, fwd: float, bwd: float, reshard: bool) -> float:
         """FSDP seconds per microbatch that the compute (``fwd``, ``bwd``) does not hide: the
@@ -419,7 +417,6 @@ class StageModel:
             static=avg(lambda c: c.static),
             working_param=max(c.working_param for c in cs),
             parts={a: {k: avg(lambda c: c.parts[a][k]) for k in cs[0].parts[a]} for a in AC_MODES},
-            backward_ws=max(c.backward_ws for c in cs),
             hidden_comm={a: avg(lambda c: c.hidden_comm[a]) for a in AC_MODES},
         )
 
@@ -469,7 +466,6 @@ class StageModel:
         fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd, True)
         tp_t = sum((nf + nb) * self._ct(kind, nbytes, self.g_tp)
                    for kind, nbytes, nf, nb, _ in tp_outer_collectives(name, cfg, ctx))
-        saved = mb * ctx.bytes_scale * (prof.saved_vocab / tp + prof.saved_rep)
         # The backward's gradients of one op's outputs and inputs (the vocabulary part on its shards).
         def largest(pairs) -> float:
             return mb * ctx.bytes_scale * max((v / tp + r for v, r in pairs), default=0.0)
@@ -487,7 +483,6 @@ class StageModel:
             "static": self._state_bytes(p_local),
             "working": p_local * ctx.act_bytes,
             "hidden_comm": max(0.0, busy - fsdp),
-            "act": saved,
             "act_vocab": mb * ctx.bytes_scale * prof.saved_vocab / tp,
             "act_rep": mb * ctx.bytes_scale * prof.saved_rep,
             "grad_ws": grad_ws,
@@ -547,8 +542,7 @@ class StageModel:
         the gathered parameters (``working``) and, on top, the largest of these moments (the
         compiled program's: the loss's and the head's gradients are made in fused kernels,
         ``memory.py``): the loss's forward and backward, beside the loss's saved vocabulary-sized
-        tensors;
-        the head's backward and its gradients' reduction, those tensors freed; a layer's backward
+        tensors; the head's backward and its gradients' reduction, those tensors freed; a layer's backward
         start, with what it recomputes; a layer's backward end, its own activations freed and its
         gradients copied into the flat bucket of their reduction, in the reduce dtype; the
         embedding's backward and reduction. ``bound``: the layer moments over every AC mode, not
@@ -590,7 +584,7 @@ class StageModel:
                     loss += o["logits"] / ctx.act_bytes * 4
                 moments += [loss, o["grad_ws"] + flat(o["working"])]
             else:
-                outer_act += o["act"] * inflight
+                outer_act += (o["act_vocab"] + o["act_rep"]) * inflight
                 moments.append(o["grad_ws"] + flat(o["working"]))
             if cfg.shard > 1:
                 if keep:  # gathered at use and freed: one of the working set
