@@ -277,7 +277,7 @@ if __name__ == "__main__":
 def _tune(args) -> int:
     import torch
 
-    from autopar import explain, tune
+    from autopar import explain, launch, tune
     from autopar.errors import AutoparError
     from autopar.plan import Plan
 
@@ -287,8 +287,8 @@ def _tune(args) -> int:
     if args.tune_cmd == "calibrate":
         base = args.base or ("h100" if backend == "nccl" else "cpu-gloo")
         max_bytes = args.max_mb * (1 << 20) if args.max_mb else None
-        cal = tune.launch(args.nproc, backend, tune.calibrate_rank, base, max_bytes, args.reps, args.model,
-                          args.batch, args.seq_len)
+        cal = launch.run(args.nproc, backend, tune.calibrate_rank, base, max_bytes, args.reps, args.model,
+                         args.batch, args.seq_len)[0]
         with open(args.output, "w") as f:
             json.dump(cal.profile, f, indent=1)
         print(f"calibrated profile written to {args.output}: peak {cal.profile['peak_tflops']:.3g} TFLOP/s, "
@@ -311,7 +311,7 @@ def _tune(args) -> int:
         return 0
     kw = {"seq_len": args.seq_len, "global_batch": args.global_batch, "hardware": args.hardware,
           "memory_limit_gb": args.memory_limit_gb}
-    rows = tune.launch(args.nproc, backend, tune._tune_rank, args.model, args.nproc, args.top, args.steps, kw, args.db)
+    rows = launch.run(args.nproc, backend, tune._tune_rank, args.model, args.nproc, args.top, args.steps, kw, args.db)[0]
     best = Plan.from_json(rows[0]["plan_json"])
     if args.output:
         best.save(args.output)

@@ -8,16 +8,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autopar
-from autopar import api, explain, models
+from autopar import api, explain, launch, models
 from autopar.capture import default_loss
 
 WORLD, STEPS, BATCH, SEQ = 4, 5, 8, 64
@@ -34,10 +32,9 @@ def _build():
     return models.build_preset("llama-small")
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _train() -> None:
+    """One rank's training run (``launch.run`` made the process group)."""
+    rank = dist.get_rank()
     model = _build()
     ids, tgt = _data(0)
     t0 = time.perf_counter()
@@ -55,7 +52,6 @@ def _worker(rank: int, port: int) -> None:
         value = loss.item()  # every rank reads its loss: the all-reduce behind it completes
         if rank == 0:
             print(f"[rank 0] step {step}: loss {value:.5f}  grad norm {norm.item():.4f}")
-    autopar.shutdown()
 
 
 def main() -> int:
@@ -73,16 +69,8 @@ def main() -> int:
     ids, tgt = _data(0)
     ref_loss = default_loss(ref(ids), tgt).item()
     print(f"one-process reference, step 0 loss: {ref_loss:.5f}")
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    launch.run(WORLD, "gloo", _train)
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

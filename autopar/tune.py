@@ -667,63 +667,6 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else 1.0
 
 
-# ---------------------------------------------------------------------------------------------
-# Launching the measurements on N local processes (the CLI)
-# ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, backend: str, fn, args, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if backend == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    else:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        out = fn(*args)
-        q.put((rank, out, None))
-    except Exception as e:  # pragma: no cover - reported to the parent
-        import traceback
-
-        q.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        from autopar.runtime import shutdown
-
-        shutdown()
-
-
-def launch(nproc: int, backend: str, fn, *args):
-    """Run ``fn(*args)`` on ``nproc`` local processes in one process group; rank 0's result."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, nproc, port, backend, fn, args, q)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, out, err = q.get(timeout=7200)
-        if err:
-            for p in procs:
-                p.terminate()
-            from autopar.errors import AutoparError
-
-            raise AutoparError(f"rank {rank} failed: {err}")
-        results[rank] = out
-    for p in procs:
-        p.join(timeout=120)
-    return results[0]
-
-
 def calibrate_rank(base: str, max_bytes, reps: int, model_spec: str | None = None, batch: int = 1,
                     seq_len: int | None = None):
     import sys

@@ -26,7 +26,7 @@ CONFIGS = [
 ]
 
 
-def _worker(rank: int, world: int, port: int, steps: int, q) -> None:
+def _worker(rank: int, world: int, port: int, steps: int) -> list:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -58,8 +58,8 @@ def _worker(rank: int, world: int, port: int, steps: int, q) -> None:
         out.append({"name": cfg["name"], "plan": pms["bucketed"].plan.as_config_string(),
                     **{f"{k}_s": statistics.median(v) for k, v in times.items()},
                     **{f"{k}_collectives": c for k, c in counts.items()}})
-    q.put((rank, out))
     autopar.shutdown()
+    return out
 
 
 def main() -> int:

@@ -39,19 +39,14 @@ def _fmt(v) -> str:
 
 
 def spawn_ranks(world: int, worker, *args, timeout: float = 3000) -> dict:
-    """Run ``worker(rank, world, port, *args, q)`` in ``world`` spawned processes; each puts
-    ``(rank, result)`` on ``q``. Returns {rank: result}."""
-    import torch.multiprocessing as mp
+    """Run ``worker(rank, world, port, *args)`` in ``world`` spawned processes (``autopar.launch``;
+    a rank that fails stops the others). Returns {rank: its result, or why it has none (a str)}."""
+    from autopar import launch
 
-    from tests.dist_harness import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, *args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(q.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    res = launch.spawn(world, worker, *args, timeout=timeout)
+    out = {}
+    for r in range(world):
+        got = res.results[r][0] if res.results[r] else None
+        out[r] = (got.message if isinstance(got, launch.Failed) else got) if got is not None else (
+            f"rank {r}: no result (exit code {res.exitcodes[r]}{', timed out' if res.timed_out else ''})")
     return out

@@ -43,7 +43,7 @@ def _rank(world: int, pin: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from autopar import tune
+    from autopar import launch
 
     rows = []
     for world, pin in CASES:
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(1)
             r = _rank(world, pin)
         else:
-            r = tune.launch(world, "gloo", _rank, world, pin)
+            r = launch.run(world, "gloo", _rank, world, pin)[0]
         r.update(world=world, pin=pin)
         rows.append(r)
         print(f"world {world} {pin:34s} setup {r['setup_s']:.2f}s  first step (Inductor) {r['first_step_s']:.2f}s  "

@@ -14,7 +14,12 @@ allocation events, what a GPU's ``max_memory_allocated`` counts; the median of t
 and without gloo's staging copies: ``autopar.memory.allocator_peaks``) and the resident set's
 (``VmHWM`` after ``clear_refs``, with glibc told to map large blocks so freed memory leaves);
 the step time (median of alternating steps); and the first step's loss on both sides (the same
-model). Also the executed graphs' liveness peak (``memory.step_peak``).
+model). Also the executed graphs' liveness peak (``memory.step_peak``). And the allocator's peak of
+both sides again in one process on PyTorch's fake process group (rank 0 of the same world;
+collectives allocate their outputs and move nothing): no transport threads, so the same number
+every step. On gloo, when gloo's thread lets go of a finished collective's buffers moves autopar's
+allocator peak (its collectives run asynchronously; FSDP2's wait in line) by up to a layer's
+weights from step to step.
 
 ``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed]`` writes
 bench/results/memory.{json,md} (``memory_bf16_mixed.*`` with ``--mp``: both sides under FSDP2's
@@ -97,24 +102,31 @@ def fsdp2_model(model: torch.nn.Module, world: int, tp: int, mp_policy=None) -> 
     return model
 
 
-def _measure(rank: int, world: int, port: int, name: str, layers: int, steps: int, compile: bool, mp: str,
-             q) -> None:
-    try:
-        q.put((rank, _run(rank, world, port, name, layers, steps, compile, mp)))
-    except BaseException as e:  # the parent reports it instead of waiting
-        import traceback
-
-        q.put((rank, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise
-
-
-def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    import autopar
-    from autopar import memory
+def _side_by_side(ids, tgt, pm, ref, dp_rank: int, dp: int):
+    """The two sides' step functions: autopar's ``step`` of the global batch, FSDP2's forward and
+    backward of this data-parallel rank's share."""
     from autopar.capture import default_loss
+
+    sl = slice(dp_rank * (BATCH // dp), (dp_rank + 1) * (BATCH // dp))
+
+    def fsdp2_step():
+        loss = default_loss(ref(ids[sl]).logits, tgt[sl])
+        loss.backward()
+        return loss
+
+    return {"autopar": (lambda: pm.step(ids, target=tgt), pm), "fsdp2": (fsdp2_step, ref)}
+
+
+def _clear(sides) -> None:
+    for _, mod in sides.values():
+        for p in mod.parameters():
+            p.grad = None
+    gc.collect()
+
+
+def _setup(world: int, name: str, layers: int, compile: bool, mp: str):
+    """autopar's compiled model and FSDP2's, of the same weights, and the batch."""
+    import autopar
 
     _, pins = CONFIGS[name]
     tp = pins.get("tp", 1)
@@ -135,27 +147,46 @@ def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
                          global_batch=BATCH, compile=compile, mp_policy=policy)
     setup = time.perf_counter() - t0
     ref = fsdp2_model(copy.deepcopy(base), world, tp, policy)
-    del base
-    sl = slice(pm._dp_rank * (BATCH // dp), (pm._dp_rank + 1) * (BATCH // dp))
+    return ids, tgt, pm, ref, dp, setup
 
-    def fsdp2_step():
-        loss = default_loss(ref(ids[sl]).logits, tgt[sl])
-        loss.backward()
-        return loss
 
-    sides = {"autopar": (lambda: pm.step(ids, target=tgt), pm), "fsdp2": (fsdp2_step, ref)}
+def _fake(_rank: int, _world: int, _port: int, name: str, layers: int, compile: bool, mp: str) -> dict:
+    """The allocator's peak of both sides on the fake process group (rank 0 of the world)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autopar
+    from autopar import memory
+
+    world = CONFIGS[name][0]
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    ids, tgt, pm, ref, dp, _ = _setup(world, name, layers, compile, mp)
+    sides = _side_by_side(ids, tgt, pm, ref, pm._dp_rank, dp)
+    out = {}
+    for side, (fn, _) in sides.items():
+        for _ in range(2):  # warm-up, then the measured step
+            _clear(sides)
+            peak = memory.allocator_peaks(fn)[0]
+        out[f"{side}_fake_mib"] = peak
+    out["liveness_fake_mib"] = memory.step_peak(pm).peak_bytes / 2**20
+    autopar.shutdown()
+    return out
+
+
+def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    from autopar import memory
+
+    ids, tgt, pm, ref, dp, setup = _setup(world, name, layers, compile, mp)
+    sides = _side_by_side(ids, tgt, pm, ref, pm._dp_rank, dp)
     out = {"name": name, "layers": layers, "plan": pm.plan.as_config_string(), "autopar_setup_s": setup}
     losses, times = {}, {k: [] for k in sides}
-
-    def clear():
-        for _, mod in sides.values():
-            for p in mod.parameters():
-                p.grad = None
-        gc.collect()
-
     for i in range(1 + steps):
         for side, (fn, _) in sides.items():
-            clear()
+            _clear(sides)
             dist.barrier()
             t0 = time.perf_counter()
             loss = fn()
@@ -169,10 +200,10 @@ def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
         # autopar's peak (its collectives run asynchronously) by up to 100 MiB from step to step.
         peaks = []
         for _ in range(3):
-            clear()
+            _clear(sides)
             peaks.append(allocator_peaks(fn))
         out[f"{side}_alloc_gloo_mib"], out[f"{side}_alloc_mib"] = (statistics.median(p) for p in zip(*peaks))
-        clear()
+        _clear(sides)
         out[f"{side}_rss_mib"] = resident_peak_mib(fn)
         out[f"{side}_s"] = statistics.median(times[side])
     # FSDP2's loss is this rank's share: the mean over data-parallel ranks is the global mean.
@@ -201,16 +232,22 @@ def main(argv=None) -> int:
     for name in [n for n in CONFIGS if not args.only or n in args.only.split(",")]:
         for layers in map(int, args.layers.split(",")):
             world = CONFIGS[name][0]
-            res = spawn_ranks(world, _measure, name, layers, args.steps, not args.no_compile, args.mp)
+            res = spawn_ranks(world, _run, name, layers, args.steps, not args.no_compile, args.mp)
             failed = [v for v in res.values() if isinstance(v, str)]
             if failed:
                 print("\n".join(failed), file=sys.stderr)
                 return 1
             per = [res[r] for r in range(world)]
+            fake = spawn_ranks(1, _fake, name, layers, not args.no_compile, args.mp)[0]
+            if isinstance(fake, str):
+                print(fake, file=sys.stderr)
+                return 1
             row = dict(per[0])
             for k in row:
                 if k.endswith(("_mib", "_s")):
                     row[k] = max(x[k] for x in per)  # the worst rank
+            row.update(fake)
+            row["fake_ratio"] = row["autopar_fake_mib"] / row["fsdp2_fake_mib"]
             row["alloc_ratio"] = row["autopar_alloc_mib"] / row["fsdp2_alloc_mib"]
             row["alloc_gloo_ratio"] = row["autopar_alloc_gloo_mib"] / row["fsdp2_alloc_gloo_mib"]
             row["rss_ratio"] = row["autopar_rss_mib"] / row["fsdp2_rss_mib"]
@@ -221,11 +258,14 @@ def main(argv=None) -> int:
                "precision": args.mp or "fp32",
                "batch": f"{BATCH} x {SEQ} global, one microbatch per rank", "compiled": not args.no_compile,
                "alternative": "FSDP2 fully_shard per block + root, eager (DTensor TP inside for tp2_fsdp2)",
-               "max alloc ratio": f"{max(r['alloc_ratio'] for r in rows):.3f} (target <= 1.0)"}
+               "max alloc ratio": f"{max(r['alloc_ratio'] for r in rows):.3f} (target <= 1.0)",
+               "max fake-group alloc ratio": f"{max(r['fake_ratio'] for r in rows):.3f} (target <= 1.0)",
+               "max resident ratio": f"{max(r['rss_ratio'] for r in rows):.3f} (target <= 1.0)"}
     partial = bool(args.only) or args.layers != "8,16"
     stem = "memory" + (f"_{args.mp.replace('-', '_')}" if args.mp else "")
     write(stem + "_partial" if partial else stem, rows, summary,
-          ["name", "layers", "plan", "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_alloc_gloo_mib",
+          ["name", "layers", "plan", "autopar_fake_mib", "fsdp2_fake_mib", "fake_ratio", "liveness_fake_mib",
+           "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_alloc_gloo_mib",
            "fsdp2_alloc_gloo_mib", "alloc_gloo_ratio", "autopar_rss_mib",
            "fsdp2_rss_mib", "rss_ratio", "liveness_mib", "autopar_s", "fsdp2_s", "time_ratio", "loss_diff",
            "autopar_setup_s"],

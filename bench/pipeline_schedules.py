@@ -29,7 +29,7 @@ MODEL, SEQ, MB, M = "llama-small", 128, 1, 8
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)]
 
 
-def _worker(rank: int, world: int, port: int, steps: int, q) -> None:
+def _worker(rank: int, world: int, port: int, steps: int) -> list:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -66,8 +66,8 @@ def _worker(rank: int, world: int, port: int, steps: int, q) -> None:
                     "predicted_s": pm.plan.predicted["step_time_s"],
                     "predicted_idle_s": sum(pm.plan.predicted["breakdown"].get(k, 0.0)
                                             for k in ("bubble", "pp_p2p", "pp_runtime"))})
-    q.put((rank, out))
     autopar.shutdown()
+    return out
 
 
 def main() -> int:

@@ -28,11 +28,10 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar.memory import allocator_peak_mib
 from bench import torchtitan_side as tt
-from bench.common import write
+from bench.common import spawn_ranks, write
 
 CONFIGS = [
     {"name": "fsdp4", "pins": {"dp": 4, "fsdp": 1, "pp": 1, "tp": 1, "ac": "none"}},
@@ -47,16 +46,6 @@ def _data():
     g = torch.Generator().manual_seed(0)
     return (torch.randint(0, tt.VOCAB, (BATCH, tt.SEQ), generator=g),
             torch.randint(0, tt.VOCAB, (BATCH, tt.SEQ), generator=g))
-
-
-def _worker(rank, world, port, cfgs, steps, compile, q):
-    try:
-        q.put((rank, _measure(rank, world, port, cfgs, steps, compile)))
-    except BaseException as e:  # the parent reports it instead of waiting for a result
-        import traceback
-
-        q.put((rank, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise
 
 
 def _measure(rank, world, port, cfgs, steps, compile):
@@ -163,39 +152,6 @@ def single_process(steps: int) -> dict:
             "autopar_s": a, "torchtitan_s": b, "ratio": a / b}
 
 
-def _launch(cfg, steps, compile) -> dict:
-    """Four gloo processes measuring one configuration; a rank that dies stops the others."""
-    import queue
-
-    from tests.dist_harness import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 4, port, [cfg], steps, compile, q)) for r in range(4)]
-    for p in procs:
-        p.start()
-    res: dict = {}
-    try:
-        while len(res) < len(procs):
-            try:
-                rank, out = q.get(timeout=10)
-                res[rank] = out
-                if isinstance(out, str):
-                    break
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    res[-1] = f"{len(dead)} rank(s) of {cfg['name']} died (exit {dead[0].exitcode})"
-                    break
-    finally:
-        for p in procs:
-            if p.is_alive() and len(res) < len(procs):
-                p.terminate()
-            p.join()
-    return res
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
@@ -217,7 +173,7 @@ def main(argv=None) -> int:
     cfgs = [c for c in CONFIGS if not args.only or c["name"] in args.only.split(",")]
     rows = [] if args.no_single else [single_process(args.steps)]
     for cfg in cfgs:  # each configuration in its own processes, as each would be its own job
-        res = _launch(cfg, args.steps, compile)
+        res = spawn_ranks(4, _measure, [cfg], args.steps, compile)
         failed = [v for v in res.values() if isinstance(v, str)]
         if failed:
             print("\n".join(failed), file=sys.stderr)

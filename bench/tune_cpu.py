@@ -67,10 +67,10 @@ def _predict(plan_json: str, profile) -> float:
 
 def _calibrate(world: int) -> dict:
     """Microbenchmarks plus the model's own operators at this world's share of the batch."""
-    from autopar import tune
+    from autopar import launch, tune
 
-    return tune.launch(world, "gloo", tune.calibrate_rank, "cpu-gloo", 4 << 20, 3, MODEL,
-                       max(1, BATCH // world), SEQ).profile
+    return launch.run(world, "gloo", tune.calibrate_rank, "cpu-gloo", 4 << 20, 3, MODEL,
+                      max(1, BATCH // world), SEQ)[0].profile
 
 
 def _summarise(rows: list[dict], profiles: dict) -> dict:
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     """``--reprice``: keep the stored measurements and calibrated profiles, price them again with
     the current cost model (to check a cost-model change without measuring again);
     ``--recalibrate``: keep the stored measurements, calibrate again."""
-    from autopar import tune
+    from autopar import launch
 
     argv = sys.argv[1:] if argv is None else argv
     path = os.path.join(RESULTS, "tune_cpu.json")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         rows, profiles = [], {}
         for world in (2, 4):
             profiles[str(world)] = _calibrate(world)
-            for r in tune.launch(world, "gloo", _measure_rank, world, PLANS[world], 3):
+            for r in launch.run(world, "gloo", _measure_rank, world, PLANS[world], 3)[0]:
                 rows.append({"world": world, **r})
     summary = _summarise(rows, profiles)
     for r in rows:

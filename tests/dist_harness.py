@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from autopar import launch
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -208,7 +202,8 @@ def _grad_diffs(pm, ref) -> dict:
             "grad_scale": max(float(ref_g[n].grad.abs().max()) for n in diffs if ref_g[n].grad is not None)}
 
 
-def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> None:
+def _worker(rank: int, world: int, port: int, cases: list, cache: str):
+    """One rank of a launch: each case's result as it is done; after an error, nothing more."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       TORCHINDUCTOR_CACHE_DIR=cache)
     torch.set_num_threads(1)
@@ -222,7 +217,7 @@ def _worker(rank: int, world: int, port: int, cases: list, q, cache: str) -> Non
                 res = (run_checkpoint_case if "load_plan" in case else run_case)(world, case)
             except Exception as e:  # report it; the parent stops every rank
                 res = {"name": case["name"], "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
-            q.put((rank, res))
+            yield res
             if "error" in res:
                 return
         import autopar
@@ -240,57 +235,33 @@ def run(world: int, cases: list[dict], timeout: float | None = None, _retry: boo
     check's SIGABRT, under load on this 2-core machine) is run once more, and says so; any other failure is reported as is.
     ``timeout``: seconds for the whole launch; by default 10 minutes and 4 more per case, which a
     cold Inductor cache on 2 shared cores needs (a fixed 25 minutes was seen to run out there)."""
-    import queue
     import signal
     import sys
-    import time
 
     if timeout is None:  # a cold Inductor cache on 2 shared cores: minutes per case (compiles)
         timeout = 600 + 240 * len(cases)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "autopar-test-inductor")  # kept across runs on one machine
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, q, cache)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, list] = {r: [] for r in range(world)}
-    deadline = time.monotonic() + timeout
-    failed_at = None
-    while sum(map(len, out.values())) < world * len(cases):
-        wait = deadline - time.monotonic() if failed_at is None else min(deadline, failed_at + 20) - time.monotonic()
-        try:
-            rank, res = q.get(timeout=min(max(wait, 0.1), 2.0))
-        except queue.Empty:
-            if wait <= 0:
-                break
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()  # a process died: its peers get 20 s to report
-            continue
-        out[rank].append(res)
-        if "error" in res and failed_at is None:
-            failed_at = time.monotonic()
-    for p in procs:
-        p.join(timeout=5 if failed_at is None else 0.1)
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=5)
+    res = launch.spawn(world, _worker, cases, cache, expect=len(cases), timeout=timeout,
+                       failed=lambda r: "error" in r)
+    codes = res.exitcodes
+    out = {r: [x for x in xs if isinstance(x, dict)] for r, xs in res.results.items()}
+    for f in res.failures:  # raised outside a case (e.g. joining the process group): its next case's
+        done = {x["name"] for x in out[f.rank]}
+        out[f.rank] += [{"name": c["name"], "error": f.message} for c in cases if c["name"] not in done][:1]
     # A process killed by a signal we did not send (SIGSEGV/SIGABRT in gloo's transport under load
     # on this 2-core machine) makes every result of this launch suspect, including the errors its
     # peers then report ("Connection reset by peer"): the launch runs once more.
-    crashed = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0
-               and p.exitcode != -signal.SIGTERM]
+    crashed = [r for r, c in enumerate(codes) if c is not None and c < 0 and c != -signal.SIGTERM]
     # A rank that exited without reporting anything (no error of its own, e.g. stopped by the
     # failure watch because a peer died): also a crash, not a parity result.
     reported = {r for r in range(world) if any("error" in x for x in out[r])}
     if not reported:
-        crashed += [r for r, p in enumerate(procs) if p.exitcode not in (0, None, -signal.SIGTERM) and r not in crashed]
+        crashed += [r for r, c in enumerate(codes) if c not in (0, None, -signal.SIGTERM) and r not in crashed]
     if crashed and _retry:
-        print(f"dist_harness: rank(s) {crashed} crashed (exit codes {[procs[r].exitcode for r in crashed]}); "
+        print(f"dist_harness: rank(s) {crashed} crashed (exit codes {[codes[r] for r in crashed]}); "
               "running the launch once more", file=sys.stderr)
         return run(world, cases, timeout, _retry=False)
-    codes = [p.exitcode for p in procs]
     for r in range(world):
         done = {x["name"] for x in out[r]}
         out[r] += [{"name": c["name"], "error": f"stopped: another rank failed or the launch timed out (exit codes {codes})"}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.dist_harness import free_port
+from autopar.launch import free_port
 
 WORLD, FAIL = 4, 2
 

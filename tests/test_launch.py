@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.dist_harness import free_port
+from autopar.launch import free_port
 
 CHILD = """
 import torch.distributed as dist
@@ -29,3 +29,34 @@ def test_init_from_environment(launcher):
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["0", "1", "gloo"]
+
+
+def _rank_one_raises():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("bad input on rank 1")
+    dist.barrier()  # the others wait in a collective for the rank that failed
+    return dist.get_rank()
+
+
+def _each_rank():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_launch_returns_every_ranks_result_and_stops_on_a_failure():
+    """``autopar.launch.run``, the launcher of the CLI, demo, benches and tests: every rank's result
+    in rank order; a rank that raises stops the launch (its peers, blocked in a barrier, are
+    stopped rather than left hanging) and its error, not a peer's lost connection, is raised."""
+    import time
+
+    from autopar import launch
+    from autopar.errors import AutoparError
+
+    assert launch.run(3, "gloo", _each_rank) == [(0, 3), (1, 3), (2, 3)]
+    t0 = time.monotonic()
+    with pytest.raises(AutoparError, match="rank 1: ValueError: bad input on rank 1"):
+        launch.run(3, "gloo", _rank_one_raises)
+    assert time.monotonic() - t0 < 90

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import autopar
-from autopar import tune
+from autopar import launch, tune
 from autopar.cost_models.hardware import load as load_hardware
 from tests.dist_harness import batch, build
 
@@ -119,5 +119,5 @@ def _turn_members(slots):
 def test_in_turns_groups_ranks_by_slots():
     """Four ranks, two slots (also as a measured, fractional 2.3): ranks 0-1 take the first turn,
     2-3 the second; with as many slots as ranks, all run at once (no turn group)."""
-    assert tune.launch(4, "gloo", _turn_members, 2.3) == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert tune.launch(4, "gloo", _turn_members, 4) == [None] * 4
+    assert launch.run(4, "gloo", _turn_members, 2.3)[0] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert launch.run(4, "gloo", _turn_members, 4)[0] == [None] * 4
