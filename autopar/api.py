@@ -656,7 +656,11 @@ def _local_shards(model: nn.Module, sg) -> list[torch.Tensor]:
     return [getattr(q, "_local_tensor", q).detach() for q in (model.get_parameter(n) for n in sg.param_names)]
 
 
-def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set, info: dict):
+def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set, inputs: list,
+                  info, key: str):
+    """The passes and the backend on one step graph (``inputs``: its example inputs after the
+    parameters and buffers); its collectives, notes and pass times go into ``info`` (a
+    ``runtime.CompileInfo``) under ``key``."""
     from autopar import backend
     from autopar.passes import PassContext, collective_record, collectives, run_passes
     from autopar.passes.ac import apply_ac
@@ -667,7 +671,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     buffers = [model.get_buffer(n) for n in sg.buffer_names]
     example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers
     ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled),
-                      step=StepState(sg, lay, rules, example + info["inputs"]))
+                      step=StepState(sg, lay, rules, example + inputs))
     joint = run_passes(sg.gm, ctx, [("distribute", distribute), ("ac", apply_ac)])
     from autopar.passes.distribute import grad_inputs, output_values
 
@@ -682,7 +686,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
             merge="bucket" not in disabled)
     compiled = backend.build(joint, len(output_values(sg)), inductor=inductor and "inductor" not in disabled,
                              split_weight=split, dp=dp)
-    n_args = len(params) + len(buffers) + len(info["inputs"])
+    n_args = len(params) + len(buffers) + len(inputs)
     # Backward nodes carry no annotation of their own: name them by the mesh dim of their group.
     dims = {}
     if mesh is not None:
@@ -696,10 +700,12 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
             if r["pass"] == "?":
                 r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp"}.get(r["dim"], "?")
             recs.append(r)
-    info.setdefault("collectives", {})["step" if sg.with_loss else "forward"] = recs
-    info.setdefault("notes", {}).update(ctx.notes)
-    info.setdefault("timings", {}).update({**ctx.timings, "backend": compiled.compile_s})
-    return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in info["inputs"]])
+    info.collectives[key] = recs
+    if key != "forward":  # the forward graph is built at the user's first call, after compile: not its time
+        prefix = "" if key == "step" else f"{key} "
+        info.notes.update({prefix + k: v for k, v in ctx.notes.items()})
+        info.timings.update({prefix + k: v for k, v in {**ctx.timings, "backend": compiled.compile_s}.items()})
+    return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in inputs])
 
 
 def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_fn: Callable, name: str, *,
@@ -710,7 +716,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     from autopar import capture
     from autopar.passes import pp as pp_mod
     from autopar.passes.tp import placement_str
-    from autopar.runtime import ParallelModule
+    from autopar.runtime import CompileInfo, ParallelModule
 
     mb_ids = ids[: p.mb]
     sg = capture.trace_step(model, (mb_ids,), name=name, **mixed.trace_kw)
@@ -725,18 +731,18 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
             for n in [pname, *sg.aliases.get(pname, [])]:
                 owner, _, attr = n.rpartition(".")
                 (model.get_submodule(owner) if owner else model)._parameters[attr] = None
-    runners, placements, notes, info = {}, [], [], {"param_names": sorted(keep), "output_type": None}
+    runners, placements, notes, info = {}, [], [], CompileInfo(sorted(keep))
     layouts = {s: _layout(stages[s], p, mesh, mixed) for s in set(mine) | {s for ss in shared.values() for s in ss}}
     for pname, ss in shared.items():
         got = {s: layouts[s][0].placements(stages[s].param_names.index(pname)) for s in ss}
         if len(set(map(str, got.values()))) > 1:
             raise AutoparError(f"parameter {pname} is shared by pipeline stages {ss}, which would place it "
                                f"differently ({', '.join(f'stage {s}: {v}' for s, v in got.items())}); pin tp=1")
-    info["tied"] = _tied_groups(shared, p, mesh, rank)
-    info.setdefault("collectives", {})["tied gradients"] = [
+    info.tied = _tied_groups(shared, p, mesh, rank)
+    info.collectives["tied gradients"] = [
         {"graph": "after backward", "kind": "all_reduce", "group_size": group.size(), "pass": "pp tied",
          "bytes": int(getattr(model.get_parameter(name).data, "_local_tensor", model.get_parameter(name)).nbytes),
-         "source": name, "module": ""} for name, group, _ in info["tied"]]
+         "source": name, "module": ""} for name, group, _ in info.tied]
     for s in mine:
         st = stages[s]
         lay, rules = layouts[s]
@@ -747,15 +753,9 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
         phs = st.placeholders()[st.n_params + len(st.buffer_names):]
         inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype, device=mb_ids.device).requires_grad_(
             ph.meta["val"].is_floating_point()) if i < len(phs) - 1 else mb_ids for i, ph in enumerate(phs)]
-        sinfo = {"inputs": inputs}
         runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
-                                        disabled=disabled, info=sinfo))
-        for v in sinfo["collectives"].values():
-            info.setdefault("collectives", {})[f"stage {s}"] = v
-        info.setdefault("notes", {}).update(sinfo["notes"])
-        info.setdefault("timings", {}).update({f"stage {s} {k}": v for k, v in sinfo["timings"].items()})
+                                        disabled=disabled, inputs=inputs, info=info, key=f"stage {s}"))
     p = dataclasses.replace(p, placements=tuple(placements), tp_notes=tuple(notes))
-    info["buffers"] = []
     return ParallelModule(model, p, mesh, step_runner=None, forward_factory=None, loss_fn=loss_fn, info=info,
                           stages=runners)
 
@@ -820,7 +820,7 @@ def compile(
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
                       disable_passes=disable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
                       tune_db=tune_db, mp_policy=mp_policy)
-    pm.info["compile_s"] = time.perf_counter() - t0
+    pm.info.compile_s = time.perf_counter() - t0
     return pm
 
 
@@ -906,9 +906,11 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
                        for i, n in enumerate(sg.param_names))
     p = dataclasses.replace(p, placements=placements, tp_notes=tuple(rules.notes if rules else ()))
     locals_ = _distribute_parameters(model, sg, lay)
-    info: dict = {"inputs": [mb_ids, mb_tgt], "param_names": sg.param_names,
-                  "buffers": [model.get_buffer(n) for n in sg.buffer_names], "output_type": None}
-    step_runner = _build_runner(sg, p, dmesh, lay, rules, locals_, model, inductor=compile, disabled=set(disable_passes), info=info)
+    from autopar.runtime import CompileInfo
+
+    info = CompileInfo(sg.param_names, inputs=[mb_ids, mb_tgt], buffers=[model.get_buffer(n) for n in sg.buffer_names])
+    step_runner = _build_runner(sg, p, dmesh, lay, rules, locals_, model, inductor=compile,
+                                disabled=set(disable_passes), inputs=info.inputs, info=info, key="step")
 
     def forward_factory(inputs: tuple):
         """The forward graph for the user's own loop, built at the first call with a shape."""
@@ -916,11 +918,9 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
 
         fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
         frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp) if p.tp > 1 else None
-        finfo = {"inputs": list(inputs)}
-        runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model,
-                               inductor=compile, disabled=set(disable_passes), info=finfo)
-        info["collectives"].update(finfo["collectives"])
-        info["output_type"] = fsg.output_type
+        runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model, inductor=compile,
+                               disabled=set(disable_passes), inputs=list(inputs), info=info, key="forward")
+        info.output_type = fsg.output_type
         return runner
 
     pm = ParallelModule(model, p, dmesh, step_runner=step_runner, forward_factory=forward_factory,

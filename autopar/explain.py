@@ -238,12 +238,12 @@ def memory_warnings(pr: dict) -> list[str]:
     return []
 
 
-def render_executed(info: dict, *, width: int | None = None) -> str:
+def render_executed(info, *, width: int | None = None) -> str:
     """What the executor did: each collective of the compiled graphs (kind, group size, bytes,
     the pass that inserted it and the node or parameter it came from) and the passes' notes."""
     buf = io.StringIO()
     con = _console(buf, width)
-    for name, recs in info.get("collectives", {}).items():
+    for name, recs in info.collectives.items():
         t = Table(title=f"collectives in the compiled {name} graphs ({len(recs)})")
         for c in ("graph", "kind", "group", "MiB", "dtype", "pass", "from"):
             t.add_column(c, min_width=14 if c == "kind" else None)  # "reduce_scatter" whole
@@ -252,22 +252,22 @@ def render_executed(info: dict, *, width: int | None = None) -> str:
             t.add_row(r["graph"], kind, str(r["group_size"]), f"{r['bytes'] / 2**20:.3f}", r.get("dtype", ""),
                       r["pass"], r["source"] or r["module"])
         con.print(t)
-    for name, lines in info.get("notes", {}).items():
+    for name, lines in info.notes.items():
         for line in lines:
             con.print(f"[{name}] {line}")
-    if info.get("timings"):
-        con.print("pass times: " + ", ".join(f"{k} {v:.2f}s" for k, v in info["timings"].items()))
+    if info.timings:
+        con.print("pass times: " + ", ".join(f"{k} {v:.2f}s" for k, v in info.timings.items()))
     return buf.getvalue()
 
 
-def render_compile_time(info: dict) -> str:
-    """How long ``autopar.compile`` took on this rank, and how much of it Inductor."""
-    if "compile_s" not in info:
+def render_compile_time(info) -> str:
+    """How long ``autopar.compile`` took on this rank (``runtime.CompileInfo``), and how much of it Inductor."""
+    if info.compile_s is None:
         return ""
-    t = info.get("timings", {})
+    t = info.timings
     inductor = sum(v for k, v in t.items() if k.split()[-1] == "backend")
     passes = sum(v for k, v in t.items() if k.split()[-1] != "backend")
-    return (f"autopar.compile took {info['compile_s']:.1f} s on this rank: graph passes {passes:.1f} s, "
+    return (f"autopar.compile took {info.compile_s:.1f} s on this rank: graph passes {passes:.1f} s, "
             f"partition and Inductor {inductor:.1f} s, the rest capture and planning\n")
 
 

@@ -20,6 +20,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -446,12 +448,31 @@ class _StageModule(nn.Module):
         return outs if len(outs) > 1 else outs[0]
 
 
+@dataclass
+class CompileInfo:
+    """What ``autopar.compile`` did, for ``explain`` and the runtime: the compiled graphs'
+    collectives (records by graph set: "step", "forward", "stage N", "tied gradients"), the passes'
+    notes and times, the step's example inputs and its parameter and buffer order, the forward
+    output's type (set when the user's own loop first calls the model), the pipeline's tied
+    parameters (name, group of the holders, counted in the norm here) and the whole time taken."""
+
+    param_names: list[str]
+    inputs: list = field(default_factory=list)
+    buffers: list = field(default_factory=list)
+    output_type: Any = None
+    collectives: dict[str, list[dict]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    tied: list = field(default_factory=list)
+    compile_s: float | None = None
+
+
 class ParallelModule(nn.Module):
     """The parallel model: an ``nn.Module`` whose parameters (original names) are the local
     shards of this rank, as DTensors. A plain optimizer over ``parameters()`` trains it."""
 
     def __init__(self, model: nn.Module, plan: Plan, mesh, *, step_runner: StepRunner | None,
-                 forward_factory: Callable[[tuple], StepRunner] | None, loss_fn: Callable, info: dict,
+                 forward_factory: Callable[[tuple], StepRunner] | None, loss_fn: Callable, info: CompileInfo,
                  stages: dict | None = None):
         super().__init__()
         # Share the user's submodules and parameter/buffer dicts: names stay the original ones.
@@ -466,10 +487,9 @@ class ParallelModule(nn.Module):
         self._forward_runners: dict = {}
         self._stages = stages or {}  # pipeline stage index -> (StepGraph, StepRunner), this rank's
         self._schedules: dict = {}
-        self.info = info  # what the passes did: collectives, notes, timings
-        self._buffer_list = info["buffers"]
-        # Parameters shared by pipeline stages on other ranks: (name, group of the holders, counted here).
-        self._tied = info.pop("tied", [])
+        self.info = info
+        self._buffer_list = info.buffers
+        self._tied = info.tied
         if mesh is not None and plan.dp > 1:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
             self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
@@ -494,7 +514,7 @@ class ParallelModule(nn.Module):
                 raise AutoparError("this ParallelModule was built for step() only")
             runner = self._forward_runners[shapes] = self._forward_factory(inputs)
         (logits,) = runner(self._live_params(), self._buffer_list, list(inputs))
-        out_type = self.info.get("output_type")
+        out_type = self.info.output_type
         if out_type is not None:
             try:
                 return out_type(logits=logits)
@@ -504,7 +524,7 @@ class ParallelModule(nn.Module):
 
     def _live_params(self) -> list:
         """The step graph's parameters as registered now (the optimizer updates them in place)."""
-        return [self.get_parameter(name) for name in self.info["param_names"]]
+        return [self.get_parameter(name) for name in self.info.param_names]
 
     def explain(self, graph: bool = False) -> str:
         text = explain_mod.render(self.plan) + explain_mod.render_compile_time(self.info)
@@ -699,11 +719,6 @@ class ParallelModule(nn.Module):
             out = {}
             for part in parts:
                 out.update(part)
-        aliases = self.info.get("aliases", {})
-        for first, others in aliases.items():
-            for o in others:
-                if first in out:
-                    out.setdefault(o, out[first])
         return out
 
     @torch.no_grad()

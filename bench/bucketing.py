@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, port: int, steps: int) -> list:
                     times[kind].append(time.perf_counter() - t0)
                 for p in pm.parameters():
                     p.grad = None
-        counts = {k: sum(1 for r in pm.info["collectives"]["step"] if r["dim"] in ("dp_shard", "dp_replicate"))
+        counts = {k: sum(1 for r in pm.info.collectives["step"] if r["dim"] in ("dp_shard", "dp_replicate"))
                   for k, pm in pms.items()}
         out.append({"name": cfg["name"], "plan": pms["bucketed"].plan.as_config_string(),
                     **{f"{k}_s": statistics.median(v) for k, v in times.items()},

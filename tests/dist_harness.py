@@ -92,7 +92,7 @@ def run_case(world: int, case: dict) -> dict:
         out["dtypes"] = {"params": sorted({str(q.dtype) for q in pm.parameters()}),
                          "grads": sorted({str(q.grad.dtype) for q in pm.parameters() if q.grad is not None})}
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            out["dtypes"][kind] = sorted({r.get("dtype") for recs in pm.info["collectives"].values() for r in recs
+            out["dtypes"][kind] = sorted({r.get("dtype") for recs in pm.info.collectives.values() for r in recs
                                           if r["kind"].startswith(kind) and r["pass"] in ("fsdp", "ddp")})
     return out
 

@@ -25,7 +25,7 @@ model = model.to_empty(device="cpu")  # storage without initialisation: only sha
 ids = torch.randint(0, cfg.vocab_size, (dp, 256))
 pm = autopar.compile(model, world, example_inputs=(ids,), plan=pins, hardware="h100")  # default options
 got, nbytes = collections.Counter(), collections.Counter()
-for r in pm.info["collectives"]["step"]:
+for r in pm.info.collectives["step"]:
     got[f"{r['graph']}:{r['kind']}:{r['group_size']}:{r['pass']}"] += 1
     nbytes[f"{r['graph']}:{r['kind']}:{r['group_size']}:{r['pass']}"] += r["bytes"]
 want = collections.Counter()
