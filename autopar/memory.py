@@ -314,11 +314,6 @@ def step_peak(pm, gradients: bool = True) -> Liveness:
     return step_liveness(runner.compiled, max(1, p.global_batch // (p.dp * p.mb)), gradients)
 
 
-def allocator_peak_mib(fn) -> float:
-    """``allocator_peaks(fn)``'s first: everything the allocator saw."""
-    return allocator_peaks(fn)[0]
-
-
 def allocator_peaks(fn) -> tuple[float, float]:
     """How much memory one step allocates at its peak beyond what the process holds before it
     (parameters and optimizer state, no gradients): gradients, saved activations, workspaces and

@@ -8,8 +8,8 @@ loss of both sides is compared (same weights, same data), and so is the time to 
 first step (setup, where autopar traces, plans and compiles, plus the first step, where
 torchtitan's blocks compile). Also: one process, ``autopar.compile`` against torchtitan's
 ``apply_compile`` (each block compiled on its own); and each configuration's
-memory per rank for one autopar step (``memory.allocator_peak_mib``: the allocator's peak above what the
-process held before the step) against the planner's prediction of the same part (gradients,
+memory per rank for one autopar step (``memory.allocator_peaks``: the allocator's peak above what the
+process held before the step, without gloo's staging copies, which NCCL does not allocate) against the planner's prediction of the same part (gradients,
 gathered parameters, activations).
 
 Needs ``make bench-deps`` (torchtitan 0.3.0). Targets (issue 9): ratio <= 1.0 on 4 processes
@@ -29,7 +29,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from autopar.memory import allocator_peak_mib
+from autopar.memory import allocator_peaks
 from bench import torchtitan_side as tt
 from bench.common import spawn_ranks, write
 
@@ -91,7 +91,7 @@ def _measure(rank, world, port, cfgs, steps, compile):
         dist.all_reduce(titan_loss)
         for p in list(pm.parameters()) + list(titan.parameters()):
             p.grad = None
-        mem = allocator_peak_mib(fns["autopar"])
+        mem = allocator_peaks(fns["autopar"])[1]
         r = {"name": cfg["name"], "plan": pm.plan.as_config_string(),
              "autopar_s": statistics.median(times["autopar"]), "torchtitan_s": statistics.median(times["torchtitan"]),
              "autopar_setup_s": first["autopar"][1], "torchtitan_setup_s": first["torchtitan"][1],
