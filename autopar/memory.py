@@ -28,6 +28,7 @@ its gradient are vocabulary-wide.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -91,17 +92,13 @@ def _vals(n: torch.fx.Node) -> list:
     return [v] if isinstance(v, torch.Tensor) else []
 
 
-_views: dict = {}
-
-
+@functools.cache
 def _is_view(target) -> bool:
     """Whether ``target`` returns one tensor aliasing its input (its schema says so, as for
     ``view``, ``t``, ``slice``, ``expand``; ``_unsafe_view`` aliases without saying it)."""
-    if target not in _views:
-        rets = target._schema.returns if isinstance(target, torch._ops.OpOverload) else ()
-        _views[target] = target is torch.ops.aten._unsafe_view.default or (
-            len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
-    return _views[target]
+    rets = target._schema.returns if isinstance(target, torch._ops.OpOverload) else ()
+    return target is torch.ops.aten._unsafe_view.default or (
+        len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
 
 _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_with_sizes", "split", "getitem",
              "t", "permute", "transpose", "expand", "slice", "alias", "_to_copy", "convert_element_type",

@@ -9,14 +9,14 @@ ratio and the number of data-parallel collectives in each compiled step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from bench.common import spawn_ranks, write
+from autopar import launch
+from bench.common import write
 
 MODEL, BATCH, SEQ = "llama-small", 8, 128
 CONFIGS = [
@@ -26,10 +26,9 @@ CONFIGS = [
 ]
 
 
-def _worker(rank: int, world: int, port: int, steps: int) -> list:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(steps: int) -> list:
+    """One rank's measurements (``launch.run`` made the process group and ends it)."""
+    world = dist.get_world_size()
     import autopar
     from autopar import models
 
@@ -58,7 +57,6 @@ def _worker(rank: int, world: int, port: int, steps: int) -> list:
         out.append({"name": cfg["name"], "plan": pms["bucketed"].plan.as_config_string(),
                     **{f"{k}_s": statistics.median(v) for k, v in times.items()},
                     **{f"{k}_collectives": c for k, c in counts.items()}})
-    autopar.shutdown()
     return out
 
 
@@ -67,12 +65,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     world = 4
-    per_rank = spawn_ranks(world, _worker, args.steps)
+    per_rank = launch.run(world, "gloo", _worker, args.steps)
     rows = []
     for i in range(len(CONFIGS)):
         r = dict(per_rank[0][i])
-        r["bucketed_s"] = max(per_rank[k][i]["bucketed_s"] for k in per_rank)
-        r["per_parameter_s"] = max(per_rank[k][i]["per_parameter_s"] for k in per_rank)
+        r["bucketed_s"] = max(x[i]["bucketed_s"] for x in per_rank)
+        r["per_parameter_s"] = max(x[i]["per_parameter_s"] for x in per_rank)
         r["ratio"] = r["bucketed_s"] / r["per_parameter_s"]
         rows.append(r)
         print(r, flush=True)

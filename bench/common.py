@@ -36,17 +36,3 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
-
-
-def spawn_ranks(world: int, worker, *args, timeout: float = 3000) -> dict:
-    """Run ``worker(rank, world, port, *args)`` in ``world`` spawned processes (``autopar.launch``;
-    a rank that fails stops the others). Returns {rank: its result, or why it has none (a str)}."""
-    from autopar import launch
-
-    res = launch.spawn(world, worker, *args, timeout=timeout)
-    out = {}
-    for r in range(world):
-        got = res.results[r][0] if res.results[r] else None
-        out[r] = (got.message if isinstance(got, launch.Failed) else got) if got is not None else (
-            f"rank {r}: no result (exit code {res.exitcodes[r]}{', timed out' if res.timed_out else ''})")
-    return out

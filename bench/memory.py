@@ -40,8 +40,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from autopar import launch
 from autopar.memory import allocator_peaks
-from bench.common import spawn_ranks, write
+from bench.common import write
 
 HIDDEN, FFN, HEADS, VOCAB = 1024, 4096, 16, 512
 BATCH, SEQ = 4, 256  # global: each data-parallel rank runs its share in one microbatch
@@ -173,11 +174,9 @@ def _fake(_rank: int, _world: int, _port: int, name: str, layers: int, compile: 
     return out
 
 
-def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    import autopar
+def _run(name, layers, steps, compile, mp) -> dict:
+    """One rank's measurements on gloo (``launch.run`` made the process group and ends it)."""
+    world = dist.get_world_size()
     from autopar import memory
 
     ids, tgt, pm, ref, dp, setup = _setup(world, name, layers, compile, mp)
@@ -211,7 +210,6 @@ def _run(rank, world, port, name, layers, steps, compile, mp) -> dict:
     dist.all_reduce(ref_loss)
     out["loss_diff"] = abs(losses["autopar"] - float(ref_loss) / world)
     out["liveness_mib"] = memory.step_peak(pm).peak_bytes / 2**20
-    autopar.shutdown()  # a barrier, then the process group destroyed
     return out
 
 
@@ -232,16 +230,13 @@ def main(argv=None) -> int:
     for name in [n for n in CONFIGS if not args.only or n in args.only.split(",")]:
         for layers in map(int, args.layers.split(",")):
             world = CONFIGS[name][0]
-            res = spawn_ranks(world, _run, name, layers, args.steps, not args.no_compile, args.mp)
-            failed = [v for v in res.values() if isinstance(v, str)]
-            if failed:
-                print("\n".join(failed), file=sys.stderr)
+            per = launch.run(world, "gloo", _run, name, layers, args.steps, not args.no_compile, args.mp)
+            fake = launch.spawn(1, _fake, name, layers, not args.no_compile, args.mp)
+            if fake.failures or not fake.results[0]:
+                print(fake.failures[0].message if fake.failures else f"fake group: no result {fake.exitcodes}",
+                      file=sys.stderr)
                 return 1
-            per = [res[r] for r in range(world)]
-            fake = spawn_ranks(1, _fake, name, layers, not args.no_compile, args.mp)[0]
-            if isinstance(fake, str):
-                print(fake, file=sys.stderr)
-                return 1
+            fake = fake.results[0][0]
             row = dict(per[0])
             for k in row:
                 if k.endswith(("_mib", "_s")):

@@ -16,23 +16,22 @@ outside the graphs and the schedule's own Python.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from bench.common import spawn_ranks, write
+from autopar import launch
+from bench.common import write
 
 MODEL, SEQ, MB, M = "llama-small", 128, 1, 8
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)]
 
 
-def _worker(rank: int, world: int, port: int, steps: int) -> list:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(steps: int) -> list:
+    """One rank's measurements (``launch.run`` made the process group and ends it)."""
+    world = dist.get_world_size()
     import autopar
     from autopar import models
 
@@ -66,7 +65,6 @@ def _worker(rank: int, world: int, port: int, steps: int) -> list:
                     "predicted_s": pm.plan.predicted["step_time_s"],
                     "predicted_idle_s": sum(pm.plan.predicted["breakdown"].get(k, 0.0)
                                             for k in ("bubble", "pp_p2p", "pp_runtime"))})
-    autopar.shutdown()
     return out
 
 
@@ -75,7 +73,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()
-    per_rank = spawn_ranks(args.world, _worker, args.steps)
+    per_rank = launch.run(args.world, "gloo", _worker, args.steps)
     rows = []
     for i, (sched, v) in enumerate(SCHEDULES):
         rs = [per_rank[r][i] for r in range(args.world)]

@@ -8,9 +8,10 @@ loss of both sides is compared (same weights, same data), and so is the time to 
 first step (setup, where autopar traces, plans and compiles, plus the first step, where
 torchtitan's blocks compile). Also: one process, ``autopar.compile`` against torchtitan's
 ``apply_compile`` (each block compiled on its own); and each configuration's
-memory per rank for one autopar step (``memory.allocator_peaks``: the allocator's peak above what the
-process held before the step, without gloo's staging copies, which NCCL does not allocate) against the planner's prediction of the same part (gradients,
-gathered parameters, activations).
+memory per rank for one autopar step (``memory.allocator_peaks``: the allocator's peak above
+what the process held before the step, without gloo's staging copies, which NCCL does not
+allocate) against the planner's prediction of the same part (gradients, gathered parameters,
+activations).
 
 Needs ``make bench-deps`` (torchtitan 0.3.0). Targets (issue 9): ratio <= 1.0 on 4 processes
 (aim 0.8), <= 1.05 on one.
@@ -29,9 +30,10 @@ import types
 import torch
 import torch.distributed as dist
 
+from autopar import launch
 from autopar.memory import allocator_peaks
 from bench import torchtitan_side as tt
-from bench.common import spawn_ranks, write
+from bench.common import write
 
 CONFIGS = [
     {"name": "fsdp4", "pins": {"dp": 4, "fsdp": 1, "pp": 1, "tp": 1, "ac": "none"}},
@@ -48,10 +50,9 @@ def _data():
             torch.randint(0, tt.VOCAB, (BATCH, tt.SEQ), generator=g))
 
 
-def _measure(rank, world, port, cfgs, steps, compile):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _measure(cfgs, steps, compile):
+    """One rank's measurements (``launch.run`` made the process group and ends it)."""
+    world = dist.get_world_size()
     import autopar
     from autopar.capture import default_loss
 
@@ -99,7 +100,6 @@ def _measure(rank, world, port, cfgs, steps, compile):
              "measured_step_mib": mem, "predicted_step_mib": _predicted_mib(base, pm.plan, ids)}
         r["ratio"] = r["autopar_s"] / r["torchtitan_s"]
         out.append(r)
-    autopar.shutdown()
     return out
 
 
@@ -173,12 +173,7 @@ def main(argv=None) -> int:
     cfgs = [c for c in CONFIGS if not args.only or c["name"] in args.only.split(",")]
     rows = [] if args.no_single else [single_process(args.steps)]
     for cfg in cfgs:  # each configuration in its own processes, as each would be its own job
-        res = spawn_ranks(4, _measure, [cfg], args.steps, compile)
-        failed = [v for v in res.values() if isinstance(v, str)]
-        if failed:
-            print("\n".join(failed), file=sys.stderr)
-            return 1
-        per = [res[r][0] for r in range(4)]
+        per = [x[0] for x in launch.run(4, "gloo", _measure, [cfg], args.steps, compile)]
         row = dict(per[0])
         row["autopar_s"] = max(x["autopar_s"] for x in per)
         row["torchtitan_s"] = max(x["torchtitan_s"] for x in per)
