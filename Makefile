@@ -28,7 +28,8 @@ test-matrix: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=12 -m matrix
 
 # The presets' profiles that ship with the package (tests/test_plan_cli.py checks they are current:
-# rerun after a change to autopar/capture.py, analysis.py or models.py, or to torch).
+# rerun after a change to autopar/capture.py, traceable.py, cut.py, fxops.py, memory.py, roles.py,
+# analysis.py or models.py, or to torch: the profile cache key hashes them).
 profiles: $(VENV)/.installed
 	$(PY) -c "from autopar.api import write_shipped_profiles as w; print(len(w()), 'preset profiles written')"
 

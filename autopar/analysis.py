@@ -39,7 +39,8 @@ import torch
 if TYPE_CHECKING:
     import sympy
 
-from autopar.capture import VIEW_OPS, BlockTrace, ModelTrace, op_flops, op_name, tensor_bytes
+from autopar.cut import BlockTrace, ModelTrace
+from autopar.fxops import VIEW_OPS, node_flops, op_name, tensor_bytes
 from autopar.roles import find_roles
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
@@ -286,13 +287,11 @@ def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tu
         name = op_name(n.target)
         if name in VIEW_OPS or name == "getitem":
             continue
-        args = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.args)
-        kwargs = torch.utils._pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a, n.kwargs)
         outv = n.meta.get("val")
         # Routed experts traced in fixed-shape form run only their top-k share of the tokens on a
         # GPU: their FLOPs and activation traffic scale by it, their weights are read whole.
         active = n.meta.get("custom", {}).get("moe_active", 1.0)
-        flops = op_flops(n.target, args, kwargs, outv) * active
+        flops = node_flops(n) * active
         in_nodes = [a for a in n.all_input_nodes]
         w_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name in param_nodes)
         a_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name not in param_nodes)
@@ -312,18 +311,9 @@ def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tu
     return out
 
 
-def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
-    gm = bt.gm
-    nodes = {n.name: n for n in gm.graph.nodes}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    n_params = len(bt.param_names)
-    param_of = {placeholders[i].name: bt.param_names[i] for i in range(n_params)}
-    tensor_ph = placeholders[n_params:]
-    hidden_ph = {tensor_ph[i].name for i in bt.hidden_input_idx if i < len(tensor_ph)}
-
-    # The roles (column, row, replicated) from the one role finder, the executor's; here only priced.
-    found = find_roles(gm, {placeholders[i]: i for i in range(n_params)},
-                       [n for n in tensor_ph if n.name in hidden_ph])
+def _block_linears(bt: BlockTrace, found) -> tuple[dict[str, Linear], dict[str, str], set[str]]:
+    """The block's linears (by node name) as the role finder found them, each column's bias, and
+    the nodes inside a TP region (between a column group and its row linear)."""
     linears: dict[str, Linear] = {}
     bias_of: dict[str, str] = {}
     weight_of = {gl.node: bt.param_names[gl.weight] for gl in found.linears}
@@ -344,9 +334,13 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         linears[row.name].partners = tuple(sorted(weight_of[c] for c in cols))
         tp_nodes |= {x.name for x in found.region[row] if x.op != "placeholder"} | {row.name}
         tp_nodes |= {c.name for c in cols}
+    return linears, bias_of, tp_nodes
 
-    # Heads: a column output viewed as (..., n, d...) with n*prod(d...) == out_features: n heads
-    # (or groups of heads, as Falcon's (kv groups, q per group + 2, head dim)), which TP divides.
+
+def _find_heads(linears: dict[str, Linear], nodes: dict) -> None:
+    """Set each column linear's head count (in place): its output viewed as (..., n, d...) with
+    n*prod(d...) == out_features has n heads (or groups of heads, as Falcon's (kv groups, q per
+    group + 2, head dim)), which TP divides."""
     for lin, l in linears.items():
         if l.role != "column":
             continue
@@ -364,6 +358,109 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
                         break
                     nxt.append(un.name)
             frontier, depth = nxt, depth + 1
+
+
+def _saved_by_ac_mode(bt: BlockTrace, nodes: dict, batch: int, hidden_ph: set, hidden_bytes: float, tp_nodes: set,
+                      linears: dict[str, Linear], keep_ops: set, quadratic) -> dict[str, tuple[float, float]]:
+    """Bytes per sample the block saves for its backward under each AC mode, as (inside TP
+    regions, replicated); ``quadratic``: the test for a (.., s, s) score tensor where attention
+    is explicit (selective AC then recomputes exactly those), None where it is one fused op
+    (selective AC keeps the matmul and attention outputs)."""
+
+    def producer_kept(name: str) -> bool:
+        node = nodes[name]
+        if node.op == "call_function" and op_name(node.target) == "getitem":
+            node = node.args[0]
+        return node.name in keep_ops
+
+    none_tp = none_rep = sel_tp = sel_rep = 0.0
+    for name in bt.saved_nodes:
+        node = nodes[name]
+        if node.op == "placeholder" and name not in hidden_ph:
+            continue  # parameters and constant inputs (rotary tables, masks)
+        v = _val(node)
+        nbytes = v.untyped_storage().nbytes() / batch if v is not None else 0
+        if v is not None and any(
+            u.op == "call_function" and op_name(u.target) in ("bernoulli", "bernoulli_") for u in node.users
+        ):
+            nbytes = v.numel() / batch  # dropout mask: bool (1 byte) in the accelerator kernel
+        in_tp = name in tp_nodes or (node.op == "call_function" and op_name(node.target) == "getitem" and node.args[0].name in tp_nodes)
+        if name in hidden_ph:
+            continue  # counted once below, in every mode
+        if in_tp:
+            none_tp += nbytes
+        else:
+            none_rep += nbytes
+        if quadratic is not None:
+            keep = not quadratic(v)
+        else:
+            keep = producer_kept(name)
+        if keep:
+            if in_tp:
+                sel_tp += nbytes
+            else:
+                sel_rep += nbytes
+    if quadratic is None:
+        # Outputs of kept ops that autograd itself did not save are kept by the SAC policy too.
+        for n in keep_ops:
+            if n in bt.saved_nodes or linears.get(n, Linear("", "", 0, 0)).role == "row":
+                continue
+            v = _val(nodes[n])
+            if v is None:
+                continue
+            vb = v.untyped_storage().nbytes() / batch if v is not None else 0
+            if n in tp_nodes:
+                sel_tp += vb
+            else:
+                sel_rep += vb
+    return {
+        "none": (none_tp, none_rep + hidden_bytes),
+        "selective": (min(sel_tp, none_tp), min(sel_rep, none_rep) + hidden_bytes),
+        "full": (0.0, hidden_bytes),
+    }
+
+
+def _tp_groups(linears: dict[str, Linear]) -> list[tuple[str | None, list[str], str]]:
+    """Each row linear's TP group: (the module holding exactly that group, or None; its column
+    modules; its row module)."""
+    tp_groups = []
+    for l in linears.values():
+        if l.role != "row":
+            continue
+        cols = [p.rsplit(".", 1)[0] for p in l.partners]
+        row = l.weight.rsplit(".", 1)[0]
+        parts = [m.split(".") for m in cols + [row]]
+        common = []
+        for level in zip(*parts):
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        lca = ".".join(common)
+        # The common parent must be a proper submodule that contains only this group.
+        tp_groups.append((lca if lca and lca not in cols + [row] else None, cols, row))
+    # Two groups sharing one parent (attention and MLP in one module) cannot gather once each.
+    parents = [g[0] for g in tp_groups if g[0] is not None]
+    tp_groups = [(g[0] if parents.count(g[0]) == 1 else None, g[1], g[2]) for g in tp_groups]
+    return tp_groups
+
+
+def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
+    """The planner's profile of one distinct block: its linears and their TP roles (the one role
+    finder's, only priced here), heads, per-node costs per sample, what it saves for the backward
+    under each AC mode, its TP groups and how many of its parameters TP shards."""
+    gm = bt.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    n_params = len(bt.param_names)
+    param_of = {placeholders[i].name: bt.param_names[i] for i in range(n_params)}
+    tensor_ph = placeholders[n_params:]
+    hidden_ph = {tensor_ph[i].name for i in bt.hidden_input_idx if i < len(tensor_ph)}
+
+    # The roles (column, row, replicated) from the one role finder, the executor's; here only priced.
+    found = find_roles(gm, {placeholders[i]: i for i in range(n_params)},
+                       [n for n in tensor_ph if n.name in hidden_ph])
+    linears, bias_of, tp_nodes = _block_linears(bt, found)
+    _find_heads(linears, nodes)
 
     tp_div: dict[str, int] = {}
     for l in linears.values():
@@ -408,79 +505,10 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         else:
             costs.recompute_selective[i] = n not in keep_ops
 
-    # Saved activations.
-    def producer_kept(name: str) -> bool:
-        node = nodes[name]
-        if node.op == "call_function" and op_name(node.target) == "getitem":
-            node = node.args[0]
-        return node.name in keep_ops
-
     hidden_bytes = sum(tensor_bytes(_val(nodes[h])) for h in hidden_ph) / batch
-    none_tp = none_rep = sel_tp = sel_rep = 0.0
-    for name in bt.saved_nodes:
-        node = nodes[name]
-        if node.op == "placeholder" and name not in hidden_ph:
-            continue  # parameters and constant inputs (rotary tables, masks)
-        v = _val(node)
-        nbytes = v.untyped_storage().nbytes() / batch if v is not None else 0
-        if v is not None and any(
-            u.op == "call_function" and op_name(u.target) in ("bernoulli", "bernoulli_") for u in node.users
-        ):
-            nbytes = v.numel() / batch  # dropout mask: bool (1 byte) in the accelerator kernel
-        in_tp = name in tp_nodes or (node.op == "call_function" and op_name(node.target) == "getitem" and node.args[0].name in tp_nodes)
-        if name in hidden_ph:
-            continue  # counted once below, in every mode
-        if in_tp:
-            none_tp += nbytes
-        else:
-            none_rep += nbytes
-        if quad_attn:
-            keep = not quadratic(v)
-        else:
-            keep = producer_kept(name)
-        if keep:
-            if in_tp:
-                sel_tp += nbytes
-            else:
-                sel_rep += nbytes
-    if not quad_attn:
-        # Outputs of kept ops that autograd itself did not save are kept by the SAC policy too.
-        for n in keep_ops:
-            if n in bt.saved_nodes or linears.get(n, Linear("", "", 0, 0)).role == "row":
-                continue
-            v = _val(nodes[n])
-            if v is None:
-                continue
-            vb = v.untyped_storage().nbytes() / batch if v is not None else 0
-            if n in tp_nodes:
-                sel_tp += vb
-            else:
-                sel_rep += vb
-    saved = {
-        "none": (none_tp, none_rep + hidden_bytes),
-        "selective": (min(sel_tp, none_tp), min(sel_rep, none_rep) + hidden_bytes),
-        "full": (0.0, hidden_bytes),
-    }
-
-    tp_groups = []
-    for l in linears.values():
-        if l.role != "row":
-            continue
-        cols = [p.rsplit(".", 1)[0] for p in l.partners]
-        row = l.weight.rsplit(".", 1)[0]
-        parts = [m.split(".") for m in cols + [row]]
-        common = []
-        for level in zip(*parts):
-            if len(set(level)) != 1:
-                break
-            common.append(level[0])
-        lca = ".".join(common)
-        # The common parent must be a proper submodule that contains only this group.
-        tp_groups.append((lca if lca and lca not in cols + [row] else None, cols, row))
-    # Two groups sharing one parent (attention and MLP in one module) cannot gather once each.
-    parents = [g[0] for g in tp_groups if g[0] is not None]
-    tp_groups = [(g[0] if parents.count(g[0]) == 1 else None, g[1], g[2]) for g in tp_groups]
-
+    saved = _saved_by_ac_mode(bt, nodes, batch, hidden_ph, hidden_bytes, tp_nodes, linears, keep_ops,
+                              quadratic if quad_attn else None)
+    tp_groups = _tp_groups(linears)
     tp_weights = set()
     for l in linears.values():
         if l.role in ("column", "row"):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar import analysis, capture, models, roles
+from autopar import analysis, capture, cut, fxops, memory, models, roles, traceable
 from autopar import search as search_mod
 from autopar.cost_models.hardware import Hardware
 from autopar.cost_models.hardware import load as load_hardware
@@ -94,7 +94,7 @@ def profile_model(
     key = _profile_key(model, batch, seq_len, dtype) if example_inputs is None and loss_fn is None else None
     prof = _profile_cache_get(key)
     if prof is None and step is not None:
-        prof = analysis.analyze(capture.model_trace(step, build, name=name, batch=batch, seq_len=seq_len, dtype=dtype,
+        prof = analysis.analyze(cut.for_analysis(step, build, name=name, batch=batch, seq_len=seq_len, dtype=dtype,
                                                     vocab_size=vocab, t0=t0))
     elif prof is None:
         tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
@@ -119,7 +119,7 @@ def _profile_key(model: Any, batch: int, seq_len: int, dtype: torch.dtype) -> st
         return None
     h = hashlib.sha256(json.dumps([model.name, model.spec, model.vocab_size, batch, seq_len, str(dtype),
                                    torch.__version__], sort_keys=True, default=str).encode())
-    for mod in (capture, analysis, models):
+    for mod in (capture, traceable, cut, fxops, memory, roles, analysis, models):
         with open(mod.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:32]
@@ -595,12 +595,17 @@ def run_precision(model: nn.Module, mp_policy: Any, plan_arg: Any) -> RunPrecisi
 @dataclass
 class StepState:
     """What the graph passes need beside the graph: the traced step, where each parameter lives,
-    the TP rules and the example primals (local shards, buffers, inputs)."""
+    the TP rules, the example primals (local shards, buffers, inputs), how many outputs the
+    forward has of its own, the data-parallel collectives ``overlap`` schedules (None without
+    data parallelism) and, under a zero-bubble schedule, how many gradients are the weights'."""
 
     graph: Any
     layout: Any
     rules: Any
     example: list
+    n_outputs: int
+    dp: Any = None
+    split_weight: int | None = None
 
 
 def _layout(sg, p: Plan, mesh, mixed: RunPrecision):
@@ -658,36 +663,44 @@ def _local_shards(model: nn.Module, sg) -> list[torch.Tensor]:
 
 def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set, inputs: list,
                   info, key: str):
-    """The passes and the backend on one step graph (``inputs``: its example inputs after the
-    parameters and buffers); its collectives, notes and pass times go into ``info`` (a
-    ``runtime.CompileInfo``) under ``key``."""
+    """The registered passes (``passes.step_passes``) and the backend on one step graph
+    (``inputs``: its example inputs after the parameters and buffers); its collectives, notes
+    and pass times go into ``info`` (a ``runtime.CompileInfo``) under ``key``."""
     from autopar import backend
-    from autopar.passes import PassContext, collective_record, collectives, run_passes
-    from autopar.passes.ac import apply_ac
-    from autopar.passes.distribute import distribute
+    from autopar.passes import PassContext, run_passes, step_passes
+    from autopar.passes.distribute import grad_inputs, output_values
+    from autopar.passes.overlap import DPCollectives
     from autopar.runtime import StepRunner
 
     params = [model.get_parameter(n) for n in sg.param_names]
     buffers = [model.get_buffer(n) for n in sg.buffer_names]
-    example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers
-    ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled),
-                      step=StepState(sg, lay, rules, example + inputs))
-    joint = run_passes(sg.gm, ctx, [("distribute", distribute), ("ac", apply_ac)])
-    from autopar.passes.distribute import grad_inputs, output_values
-
-    grad_index = grad_inputs(sg, ctx.step.example)
-    split = sum(i < len(params) for i in grad_index) if p.pp > 1 and p.schedule in ZERO_BUBBLE else None
-    dp = None
+    example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers + inputs
+    grad_index = grad_inputs(sg, example)
+    state = StepState(sg, lay, rules, example, len(output_values(sg)))
     if lay.dp_mesh is not None:
-        dp = backend.DPCollectives(
-            param_layer=[analysis.layer_index(n, sg.layers) for n in sg.param_names],
-            grad_param=[i if i < len(params) else None for i in grad_index],
-            groups={mesh.get_group(d).group_name for d in lay.dp_dims}, prefetch=p.fsdp_prefetch,
-            merge="bucket" not in disabled)
-    compiled = backend.build(joint, len(output_values(sg)), inductor=inductor and "inductor" not in disabled,
-                             split_weight=split, dp=dp)
+        state.dp = DPCollectives(param_layer=[analysis.layer_index(n, sg.layers) for n in sg.param_names],
+                                 grad_param=[i if i < len(params) else None for i in grad_index],
+                                 groups={mesh.get_group(d).group_name for d in lay.dp_dims})
+    if p.pp > 1 and p.schedule in ZERO_BUBBLE:
+        state.split_weight = sum(i < len(params) for i in grad_index)
+    ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled), step=state)
+    graphs = run_passes(sg.gm, ctx, step_passes())
+    compiled = backend.compile_step(graphs, inductor=inductor and "inductor" not in disabled)
+    info.collectives[key] = _collective_records(compiled, mesh)
+    if key != "forward":  # the forward graph is built at the user's first call, after compile: not its time
+        prefix = "" if key == "step" else f"{key} "
+        info.notes.update({prefix + k: v for k, v in ctx.notes.items()})
+        info.timings.update({prefix + k: v for k, v in {**ctx.timings, "inductor": compiled.compile_s}.items()})
     n_args = len(params) + len(buffers) + len(inputs)
-    # Backward nodes carry no annotation of their own: name them by the mesh dim of their group.
+    return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in inputs])
+
+
+def _collective_records(compiled, mesh) -> list[dict]:
+    """Each collective of the compiled forward and backward graphs (``passes.collective_record``),
+    with the graph it is in and its mesh dim; backward nodes carry no annotation of their own, so
+    the pass is named from the dim of their group."""
+    from autopar.passes import collective_record, collectives
+
     dims = {}
     if mesh is not None:
         for d, size in zip(mesh.mesh_dim_names, mesh.mesh.shape):
@@ -700,12 +713,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
             if r["pass"] == "?":
                 r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp"}.get(r["dim"], "?")
             recs.append(r)
-    info.collectives[key] = recs
-    if key != "forward":  # the forward graph is built at the user's first call, after compile: not its time
-        prefix = "" if key == "step" else f"{key} "
-        info.notes.update({prefix + k: v for k, v in ctx.notes.items()})
-        info.timings.update({prefix + k: v for k, v in {**ctx.timings, "backend": compiled.compile_s}.items()})
-    return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in inputs])
+    return recs
 
 
 def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_fn: Callable, name: str, *,
@@ -714,6 +722,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     stages each go through the same passes and backend; parameters of other ranks' stages are
     dropped from the module."""
     from autopar import capture
+    from autopar.passes import Pass, PassContext, run_passes
     from autopar.passes import pp as pp_mod
     from autopar.passes.tp import placement_str
     from autopar.runtime import CompileInfo, ParallelModule
@@ -721,7 +730,8 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     mb_ids = ids[: p.mb]
     sg = capture.trace_step(model, (mb_ids,), name=name, **mixed.trace_kw)
     n_stages = p.pp * p.v
-    stages = pp_mod.split(sg, pp_mod.layer_stages(sg, p), n_stages)
+    split_ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled))
+    stages = run_passes(sg, split_ctx, [Pass("pipeline split", capture.StepGraph, list, pp_mod.pipeline_split)])
     shared = pp_mod.shared_params(stages)
     rank = mesh.get_local_rank("pp")
     mine = [s for s in range(n_stages) if p.stage_rank(s) == rank]
@@ -732,6 +742,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
                 owner, _, attr = n.rpartition(".")
                 (model.get_submodule(owner) if owner else model)._parameters[attr] = None
     runners, placements, notes, info = {}, [], [], CompileInfo(sorted(keep))
+    info.timings.update(split_ctx.timings)
     layouts = {s: _layout(stages[s], p, mesh, mixed) for s in set(mine) | {s for ss in shared.values() for s in ss}}
     for pname, ss in shared.items():
         got = {s: layouts[s][0].placements(stages[s].param_names.index(pname)) for s in ss}
@@ -804,13 +815,16 @@ def compile(
 
     The flow, in order: capture and plan (``plan``), trace the single-device training step to one
     graph (``capture.trace_step``), place every parameter (``passes/tp.py``, ``passes/fsdp.py``),
-    rewrite the graph (``passes/distribute.py``, ``passes/ac.py``), partition and compile it
-    (``backend``), and wrap it (``runtime.ParallelModule``). ``compile=False`` runs the same
+    run the registered passes on it (``passes.step_passes``: distribute, ac, partition, overlap,
+    zero-bubble split; pipeline plans cut it into stage graphs first), compile each graph
+    (``backend.compile_step``), and wrap it (``runtime.ParallelModule``). ``compile=False`` runs the same
     graphs without Inductor. ``tune=True`` measures the planner's top ``tune_top`` plans for
     ``tune_steps`` real steps on copies of the model and applies the fastest one that fits.
     ``mp_policy``: mixed precision, a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (FSDP2's
     meaning) or a precision name (``bf16-mixed``: fp32 masters, bf16 compute and gathers, fp32
     gradient reduction); by default a given plan's precision, else the parameters' own dtype.
+    ``disable_passes``: optional passes (``ac``, ``overlap``) or switches (``bucket``,
+    ``inductor``) to turn off, for debugging; anything else is refused.
     """
     from autopar.runtime import guarded
 
@@ -831,11 +845,13 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     import torch.distributed as dist
 
     from autopar import capture
+    from autopar.passes import check_disabled
     from autopar.plan import MESH_DIMS
     from autopar.runtime import ParallelModule
 
     if not isinstance(model, nn.Module):
         raise AutoparError(f"autopar.compile takes an nn.Module, got {type(model).__name__}")
+    disabled = check_disabled(disable_passes)
     world, device = _mesh_world(mesh)
     from_mesh = mesh_pins(mesh)
     if dist.is_initialized() and world != dist.get_world_size():
@@ -848,7 +864,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     ids = example_inputs[0]
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
-    capture.check_routed_experts(model)  # before the fixed-shape experts form trains anything
+    traceable.check_routed_experts(model)  # before the fixed-shape experts form trains anything
     if device == "cuda":
         # Traced where it runs: the device arguments the model's code records (an ``arange`` on
         # the ids' device, a mask built on the weights') are this rank's GPU in every graph.
@@ -892,7 +908,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
     if p.pp > 1:
         pm = _compile_pipeline(model, p, dmesh, ids, loss_fn, prof.source_name, inductor=compile,
-                               disabled=set(disable_passes), mixed=mixed)
+                               disabled=disabled, mixed=mixed)
         pm.tuning = tuning
         return pm
     mb_ids = ids[: p.mb]
@@ -910,7 +926,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
 
     info = CompileInfo(sg.param_names, inputs=[mb_ids, mb_tgt], buffers=[model.get_buffer(n) for n in sg.buffer_names])
     step_runner = _build_runner(sg, p, dmesh, lay, rules, locals_, model, inductor=compile,
-                                disabled=set(disable_passes), inputs=info.inputs, info=info, key="step")
+                                disabled=disabled, inputs=info.inputs, info=info, key="step")
 
     def forward_factory(inputs: tuple):
         """The forward graph for the user's own loop, built at the first call with a shape."""
@@ -919,7 +935,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
         fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
         frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp) if p.tp > 1 else None
         runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model, inductor=compile,
-                               disabled=set(disable_passes), inputs=list(inputs), info=info, key="forward")
+                               disabled=disabled, inputs=list(inputs), info=info, key="forward")
         info.output_type = fsg.output_type
         return runner
 

@@ -1,4 +1,5 @@
-"""The backend: split the joint graph into forward and backward graphs, and compile each.
+"""The backend: split the joint graph into forward and backward graphs (the ``partition`` pass),
+and compile each (``compile_step``, after the passes).
 
 The partition is functorch's min-cut partitioner (what ``torch.compile`` uses): it decides what
 the forward saves for the backward, honours the recompute tags of ``passes/ac.py``, and returns
@@ -11,7 +12,6 @@ only in code generation.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import sys
 import time
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-# Importing overlap also registers autopar::copy_out, which the compiled graphs call.
-from autopar.passes.overlap import schedule
+# Importing overlap registers autopar::copy_out, which the compiled graphs call.
+import autopar.passes.overlap  # noqa: F401
+from autopar.passes import StepGraphs
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class CompiledStep:
     n_outputs: int
     compile_s: float = 0.0
     bw_strides: list = None  # the strides the backward graph's inputs were traced with
-    # Zero-bubble schedules: the backward split into input and weight gradients (split_backward).
+    # Zero-bubble schedules: the backward as input- and weight-gradient parts (passes/pp.py).
     bw_input: Callable | None = None
     bw_weight: Callable | None = None
     n_input_grads: int = 0
@@ -44,76 +45,11 @@ class CompiledStep:
     inductor: bool = True  # compiled by Inductor (False: the graphs run as they are)
 
 
-@dataclass
-class DPCollectives:
-    """What ``passes/overlap.py`` needs to schedule the data-parallel collectives of a step."""
-
-    param_layer: list  # parameter index -> its repeated layer (None outside the layers)
-    grad_param: list  # backward output -> the parameter whose gradient it is (None otherwise)
-    groups: set  # names of the data-parallel process groups
-    prefetch: int = 1  # buckets gathered ahead of use
-    merge: bool = True  # one collective per bucket (False: one per parameter)
-
-
-def partition(joint: torch.fx.GraphModule, n_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    return min_cut_rematerialization_partition(joint, None, num_fwd_outputs=n_outputs)
-
-
-def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
-    """Split the backward graph for zero-bubble pipeline schedules into the input-gradient part
-    ``I: (*saved, *tangents) -> (*input grads, *carried)`` and the weight-gradient part
-    ``W: (*carried) -> (*weight grads)``. The backward's outputs are the weight gradients (the
-    first ``n_weight``) then the input gradients. ``I`` holds every node an input gradient
-    depends on; ``W`` the rest; ``carried`` are the values of ``I`` (saved tensors, tangents or
-    intermediates) that ``W`` reads. Returns (I, W, number of input gradients)."""
-    g = bw.graph
-    (out,) = g.find_nodes(op="output")
-    outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-    w_outs, i_outs = outs[:n_weight], outs[n_weight:]
-
-    def ancestors(roots) -> set:
-        seen, stack = set(), [r for r in roots if isinstance(r, torch.fx.Node)]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack += n.all_input_nodes
-        return seen
-
-    in_i = ancestors(i_outs)
-    in_w = ancestors(w_outs) - in_i
-    # A multi-output op in I (layer norm's backward: input, weight and bias gradients) hands W
-    # its items, not the tuple: a graph's inputs and outputs are tensors.
-    items = {n for n in in_w if n.target is operator.getitem and n.args[0] in in_i}
-    in_i |= items
-    in_w -= items
-    placeholders = [n for n in g.nodes if n.op == "placeholder"]
-    stray = [n for n in g.nodes if n.op not in ("placeholder", "output") and n not in in_i and n not in in_w]
-    if stray:
-        raise RuntimeError(f"backward nodes outside both gradient parts: {[n.name for n in stray[:5]]}")
-    carried = [n for n in g.nodes if n in in_i and (any(u in in_w for u in n.users) or n in w_outs)]
-    carried += [n for n in placeholders if n not in in_i and any(u in in_w for u in n.users)]
-
-    gi, env = torch.fx.Graph(), {}
-    for n in g.nodes:
-        if n.op == "placeholder":
-            env[n] = gi.node_copy(n)
-        elif n in in_i:
-            env[n] = gi.node_copy(n, lambda a: env[a])
-    gi.output([env[x] if isinstance(x, torch.fx.Node) else x for x in i_outs] + [env[c] for c in carried])
-    gw, envw = torch.fx.Graph(), {}
-    for c in carried:
-        ph = gw.placeholder(f"carried_{c.name}")
-        ph.meta = dict(c.meta)
-        envw[c] = ph
-    for n in g.nodes:
-        if n in in_w and n.op != "placeholder":  # W's placeholders are the carried values
-            envw[n] = gw.node_copy(n, lambda a: envw[a])
-    gw.output([envw[x] if isinstance(x, torch.fx.Node) else x for x in w_outs])
-    gi.lint()
-    gw.lint()
-    return torch.fx.GraphModule(bw, gi), torch.fx.GraphModule(bw, gw), len(i_outs)
+def partition(joint: torch.fx.GraphModule, plan, ctx) -> StepGraphs:
+    """The pass: the joint graph as forward and backward graphs (``ctx.step.n_outputs``: the
+    forward's own outputs, before what it saves for the backward)."""
+    n = ctx.step.n_outputs
+    return StepGraphs(*min_cut_rematerialization_partition(joint, None, num_fwd_outputs=n), n_outputs=n)
 
 
 def _example(gm: torch.fx.GraphModule) -> list:
@@ -217,38 +153,34 @@ class _Progress:
         return out
 
 
-def build(joint: torch.fx.GraphModule, n_outputs: int, inductor: bool, split_weight: int | None = None,
-          dp: DPCollectives | None = None) -> CompiledStep:
-    """Partition and compile. With several processes, rank 0 compiles first and the others
-    after it: ranks with the same graph (TP and data-parallel ranks have the same one) then load
-    Inductor's cached code instead of compiling it again on the same cores."""
+def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
+    """Compile each graph of the step. With several processes, rank 0 compiles first and the
+    others after it: ranks with the same graph (TP and data-parallel ranks have the same one)
+    then load Inductor's cached code instead of compiling it again on the same cores."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    fw, bw = partition(joint, n_outputs)
-    if dp is not None:  # passes/overlap.py: per-layer buckets, gathered at use, prefetched
-        kw = dict(param_layer=dp.param_layer, dp_groups=dp.groups, prefetch=dp.prefetch, merge=dp.merge)
-        fw = schedule(fw, grad_param=[], **kw)
-        bw = schedule(bw, grad_param=dp.grad_param, **kw)
+    fw, bw = graphs.fw, graphs.bw
+    split = graphs.bw_weight is not None
     ordered = inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
     if ordered and dist.get_rank() != 0:
         dist.barrier()
-    compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, 2 if split_weight is None else 3)
+    compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, 3 if split else 2)
     try:
-        if split_weight is None:
-            step = CompiledStep(compiled(fw, "forward"), compiled(bw, "backward"), fw, bw, n_outputs)
+        if not split:
+            step = CompiledStep(compiled(fw, "forward"), compiled(bw, "backward"), fw, bw, graphs.n_outputs)
         else:  # the backward runs as its two parts only
-            step = CompiledStep(compiled(fw, "forward"), None, fw, bw, n_outputs)
-            bw_i, bw_w, step.n_input_grads = split_backward(bw, split_weight)
-            step.bw_input = compiled(bw_i, "backward (input gradients)")
-            step.bw_weight = compiled(bw_w, "backward (weight gradients)")
+            step = CompiledStep(compiled(fw, "forward"), None, fw, bw, graphs.n_outputs)
+            step.n_input_grads = graphs.n_input_grads
+            step.bw_input = compiled(graphs.bw_input, "backward (input gradients)")
+            step.bw_weight = compiled(graphs.bw_weight, "backward (weight gradients)")
             step.bw_weight_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None
-                                      for v in _example(bw_w)]
+                                      for v in _example(graphs.bw_weight)]
     finally:
         if ordered and dist.get_rank() == 0:
             dist.barrier()
     step.inductor = inductor
     step.bw_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in _example(bw)]
     step.compile_s = time.perf_counter() - t0
-    log.info("backend: partition + %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)
+    log.info("backend: %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)
     return step

@@ -265,10 +265,10 @@ def render_compile_time(info) -> str:
     if info.compile_s is None:
         return ""
     t = info.timings
-    inductor = sum(v for k, v in t.items() if k.split()[-1] == "backend")
-    passes = sum(v for k, v in t.items() if k.split()[-1] != "backend")
+    inductor = sum(v for k, v in t.items() if k.split()[-1] == "inductor")
+    passes = sum(v for k, v in t.items() if k.split()[-1] != "inductor")
     return (f"autopar.compile took {info.compile_s:.1f} s on this rank: graph passes {passes:.1f} s, "
-            f"partition and Inductor {inductor:.1f} s, the rest capture and planning\n")
+            f"Inductor {inductor:.1f} s, the rest capture and planning\n")
 
 
 def render_checkpoint_change(path: str, old: Plan, new: Plan) -> str:

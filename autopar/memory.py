@@ -28,10 +28,11 @@ its gradient are vocabulary-wide.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from autopar.fxops import is_view, op_name
 
 _c10d = torch.ops._c10d_functional
 _WAIT = _c10d.wait_tensor.default
@@ -92,14 +93,6 @@ def _vals(n: torch.fx.Node) -> list:
     return [v] if isinstance(v, torch.Tensor) else []
 
 
-@functools.cache
-def _is_view(target) -> bool:
-    """Whether ``target`` returns one tensor aliasing its input (its schema says so, as for
-    ``view``, ``t``, ``slice``, ``expand``; ``_unsafe_view`` aliases without saying it)."""
-    rets = target._schema.returns if isinstance(target, torch._ops.OpOverload) else ()
-    return target is torch.ops.aten._unsafe_view.default or (
-        len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
-
 _COPY_OPS = {"clone", "_unsafe_view", "view", "reshape", "contiguous", "split_with_sizes", "split", "getitem",
              "t", "permute", "transpose", "expand", "slice", "alias", "_to_copy", "convert_element_type",
              "copy_out"}  # copy_out: passes/overlap.py's copy of each parameter out of a gathered bucket
@@ -122,8 +115,6 @@ _KERNEL_TAGS = tuple(t for t in (getattr(torch.Tag, "pointwise", None), getattr(
 
 def in_kernel(n: torch.fx.Node) -> bool:
     """Whether Inductor computes ``n`` inside a generated (fusible) kernel."""
-    from autopar.capture import op_name
-
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return False
     return op_name(n.target) in _IN_KERNEL or any(t in n.target.tags for t in _KERNEL_TAGS)
@@ -134,15 +125,11 @@ def gradient_in_kernel(n: torch.fx.Node) -> bool:
     gradients are values in registers rather than buffers: element-wise ops, reductions, casts,
     softmax and the loss; not an indexing read (an embedding), whose backward scatters into a new
     buffer."""
-    from autopar.capture import op_name
-
     return in_kernel(n) and op_name(n.target) not in ("embedding", "gather", "index", "index_select")
 
 
 def _copies_gathered(n: torch.fx.Node, refs: dict, kind: dict) -> bool:
     """A parameter taken out of a gathered buffer (a copy or view of it): gathered too."""
-    from autopar.capture import op_name
-
     ins = [k for a in n.all_input_nodes for k in refs.get(a, [])]
     return bool(ins) and op_name(n.target) in _COPY_OPS and all(kind.get(k) == "gathered parameters" for k in ins)
 
@@ -169,7 +156,7 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     end = len(nodes)
     for n in nodes:
         keys = []
-        if (n.target is _WAIT or _is_view(n.target)) and n.args and isinstance(n.args[0], torch.fx.Node):
+        if (n.target is _WAIT or is_view(n.target)) and n.args and isinstance(n.args[0], torch.fx.Node):
             # The wait's result is the collective's buffer; a view's is its base's (also where a
             # pass made the view's fake value apart from its base's storage).
             refs[n] = list(refs.get(n.args[0], []))

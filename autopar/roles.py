@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.fxops import FEATURE_VIEWS, SPLIT_OPS
+
 _aten = torch.ops.aten
 _PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of the result swaps on t/transpose)
     _aten.t.default, _aten.transpose.int, _aten.view.default, _aten._unsafe_view.default,
     _aten.reshape.default, _aten._to_copy.default, _aten.alias.default, _aten.detach.default,
 }
-FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
-                  _aten.clone.default, _aten._to_copy.default}
-SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
 _LOOKUPS = {_aten.embedding.default}
 _NORMS = {_aten.native_layer_norm.default, _aten.layer_norm.default, _aten.rms_norm.default}
 _REDUCTIONS = {_aten.mean.dim, _aten.sum.dim_IntList, _aten.var.correction, _aten.var_mean.correction}

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from autopar import analysis, capture
+from autopar import analysis, capture, cut
 
 
 def _profile_from(sg, m, batch, seq):
-    return analysis.analyze(capture.model_trace(sg, m, name="m", batch=batch, seq_len=seq, dtype=torch.float32))
+    return analysis.analyze(cut.for_analysis(sg, m, name="m", batch=batch, seq_len=seq, dtype=torch.float32))
 
 
 def _same(a: analysis.ModelProfile, b: analysis.ModelProfile) -> None:

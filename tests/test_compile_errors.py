@@ -171,3 +171,34 @@ def test_compile_tells_which_graph_it_compiles_and_how_long_it_took(model_and_pl
     line = next(ln for ln in pm.explain().splitlines() if ln.startswith("autopar.compile took"))
     total, inductor = float(line.split()[2]), float(re.search(r"Inductor ([\d.]+) s", line).group(1))
     assert 0 < inductor <= total, line
+    assert {"distribute", "ac", "partition", "inductor"} <= set(pm.info.timings), pm.info.timings
+
+
+def test_disable_passes_names_what_can_be_turned_off():
+    """Turning off a pass the step cannot run without (or a name that is no pass) is refused
+    before anything is traced, with the names that can be turned off."""
+    m = build("llama-tiny")
+    before = _params(m)
+    ids, _ = batch(1)
+    for bad in (("distribute",), ("partition", "bucket"), "overlap_typo"):
+        with pytest.raises(AutoparError, match=r"cannot be turned off; what can: ac, bucket, inductor, overlap"):
+            autopar.compile(m, 1, example_inputs=(ids,), disable_passes=bad)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_pass_runner_checks_what_each_pass_returns_and_names_the_failing_one():
+    from autopar.passes import Pass, PassContext, StepGraphs, run_passes
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    G = torch.fx.GraphModule
+    ctx = PassContext(None, None)
+    same = Pass("same", G, G, lambda g, p, c: g)
+    assert run_passes(gm, ctx, [same]) is gm and "same" in ctx.timings
+    with pytest.raises(AutoparError, match=r"pass 'wrong' returned int, not a StepGraphs"):
+        run_passes(gm, ctx, [same, Pass("wrong", G, StepGraphs, lambda g, p, c: 3)])
+    with pytest.raises(AutoparError, match=r"pass 'boom' failed after same: ZeroDivisionError"):
+        run_passes(gm, ctx, [same, Pass("boom", G, G, lambda g, p, c: 1 / 0)])
+    with pytest.raises(AutoparError, match=r"pass 'late' takes a StepGraphs, got Linear \(after same\)"):
+        run_passes(gm, ctx, [same, Pass("late", StepGraphs, StepGraphs, lambda g, p, c: g)])
+    skipped = PassContext(None, None, disabled={"same"})
+    assert run_passes(gm, skipped, [same]) is gm and skipped.notes == {"same": ["disabled by the user"]}

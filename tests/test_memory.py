@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar import memory
-from autopar.capture import op_name
+from autopar.fxops import op_name
 from autopar.passes import collectives
 from tests import zoo
 

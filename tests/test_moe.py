@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar import api, capture
+from autopar import api, traceable
 from autopar.analysis import KIND_MATMUL
 from autopar.errors import AutoparError, TraceError
 from tests import zoo
@@ -44,12 +44,12 @@ def test_experts_priced_at_active_flops_and_all_parameters():
 def test_fixed_shape_form_matches_the_block(kind):
     torch.manual_seed(0)
     model = zoo.build(kind)
-    blocks = capture.check_routed_experts(model)
+    blocks = traceable.check_routed_experts(model)
     assert len(blocks) == 2 and all(b.top_k == 2 and b.n_experts == 4 for b in blocks)
     x = torch.randn(2, 16, 64, requires_grad=True)
     m = blocks[0].module
     own, _ = m(x)
-    mine, _ = capture.fixed_shape_experts_forward(blocks[0], x)
+    mine, _ = traceable.fixed_shape_experts_forward(blocks[0], x)
     torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
     g_own = torch.autograd.grad(own.square().sum(), [x, m.gate.weight])
     g_mine = torch.autograd.grad(mine.square().sum(), [x, m.gate.weight])
@@ -63,12 +63,12 @@ def test_gate_module_routing_is_run_as_it_is():
     that gate as it is and returns the block's output alone, as the block does."""
     torch.manual_seed(0)
     model = zoo.build("hf-deepseek-v2")
-    blocks = capture.check_routed_experts(model)
+    blocks = traceable.check_routed_experts(model)
     assert len(blocks) == 2 and all(b.gate_module and b.top_k == 2 and b.n_experts == 4 for b in blocks)
     m = blocks[0].module
     m.gate.routed_scaling_factor = 1.5  # the gate's own scaling is kept, whatever it is
     x = torch.randn(2, 16, 64, requires_grad=True)
-    own, mine = m(x), capture.fixed_shape_experts_forward(blocks[0], x)
+    own, mine = m(x), traceable.fixed_shape_experts_forward(blocks[0], x)
     torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
     g_own = torch.autograd.grad(own.square().sum(), [x, m.gate.weight])
     g_mine = torch.autograd.grad(mine.square().sum(), [x, m.gate.weight])
@@ -104,7 +104,7 @@ class SigmoidRouted(nn.Module):
 def test_other_routing_is_refused_not_trained():
     model = nn.Sequential(SigmoidRouted())
     with pytest.raises(AutoparError, match=r"mixture-of-experts block 0 \(SigmoidRouted\) does not compute"):
-        capture.check_routed_experts(model)
+        traceable.check_routed_experts(model)
 
 
 def test_router_jitter_is_refused_with_the_setting():
@@ -126,7 +126,7 @@ def test_narrower_value_heads_priced_as_the_fused_kernel():
     q, k = torch.randn(1, 4, 16, 12), torch.randn(1, 4, 16, 12)
     v = torch.randn(1, 4, 16, 8)
     mask = torch.ones(16, 16, dtype=torch.bool).tril()
-    got = capture._fused_attention(q, k, v, mask)
+    got = traceable._fused_attention(q, k, v, mask)
     assert got is not None and got.shape == (1, 4, 16, 8)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

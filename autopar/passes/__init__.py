@@ -1,7 +1,10 @@
-"""Graph passes: each is a function ``(gm, plan, ctx) -> gm`` over the traced training step.
+"""Graph passes: each is a function ``(value, plan, ctx) -> value`` over the traced training step,
+registered as a ``Pass`` with what it takes and gives; ``run_passes`` runs a list of them.
 
-The order (``api.compile`` runs it):
+The order (``step_passes``; ``api.compile`` runs it on each step graph):
 
+0. ``pipeline split`` (``passes/pp.py``, pipeline plans only, before the others): the step graph
+   cut into one step graph per pipeline stage; each then goes through the list below.
 1. ``distribute`` (``passes/distribute.py``): replays the single-device forward graph on
    DTensors placed as the plan says (TP/SP per operator from ``passes/tp.py``, FSDP/HSDP/DDP
    per parameter from ``passes/fsdp.py``, each parameter read where it is first used) under
@@ -10,18 +13,22 @@ The order (``api.compile`` runs it):
 2. ``ac`` (``passes/ac.py``): tags forward nodes per layer for recomputation (full/selective)
    and, for ZeRO-3, the parameter all-gathers, in the joint graph.
 3. ``partition`` (``backend.py``): splits the joint graph into forward and backward graphs
-   (min-cut partitioner, which honours the tags).
-4. ``overlap`` (``passes/overlap.py``): on each of the two graphs, the data-parallel collectives
-   in per-layer buckets, gathered just before use and prefetched one layer ahead, gradients
-   reduced as each layer's are complete.
-5. Inductor compiles each graph whole (``backend.py``), keeping the order the passes chose;
-   ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for the
-   step's peak memory.
+   (min-cut partitioner, which honours the tags): a ``StepGraphs``.
+4. ``overlap`` (``passes/overlap.py``, data-parallel plans): on each of the two graphs, the
+   data-parallel collectives in per-layer buckets (``bucket``: one collective per bucket),
+   gathered just before use and prefetched one layer ahead, gradients reduced as each layer's
+   are complete.
+5. ``zero-bubble split`` (``passes/pp.py``, zero-bubble schedules): the backward graph split
+   into its input-gradient and weight-gradient parts.
+
+Then Inductor compiles each graph whole (``backend.compile_step``), keeping the order the passes
+chose; ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for
+the step's peak memory.
 
 Every node a pass adds carries ``node.meta["custom"]["pass"]`` (which pass made it) and, for
 nodes replayed from the single-device graph, ``"source"`` (the node it came from), so
-``explain`` can list each collective with its origin. The runner checks that each pass
-returns a ``GraphModule``, times it, and names the failing pass and the ones before it.
+``explain`` can list each collective with its origin. The runner checks what each pass takes
+and returns, times it, and names the failing pass and the ones before it.
 """
 
 from __future__ import annotations
@@ -35,63 +42,140 @@ from typing import Any
 
 import torch
 
-from autopar.capture import op_name
 from autopar.errors import AutoparError
+from autopar.fxops import COLLECTIVES, op_name
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
 
 # The annotation of a column group's input gathered under TP (the AC pass gathers it again).
 GATHERED_INPUT = "column input gathered"
-COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
-               "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_to_all_single")
 
 
 @dataclass
 class PassContext:
-    mesh: Any  # the 4-D DeviceMesh (pp, dp_replicate, dp_shard, tp), None on one process
+    mesh: Any  # the DeviceMesh (pp, dp_replicate, dp_shard, tp), None on one process
     plan: Plan
     compile: bool = True
     disabled: set = field(default_factory=set)
     timings: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)  # pass name -> lines for explain
-    # What the distribute pass needs beside the graph (api.StepState: the traced step, where each
-    # parameter lives, the TP rules, the example primals).
+    # What the passes need beside the graph (api.StepState: the traced step, where each parameter
+    # lives, the TP rules, the example primals, the data-parallel collectives to schedule).
     step: Any = None
 
     def note(self, pass_name: str, line: str) -> None:
         self.notes.setdefault(pass_name, []).append(line)
 
 
-GraphPass = Callable[[torch.fx.GraphModule, Plan, PassContext], torch.fx.GraphModule]
+@dataclass
+class StepGraphs:
+    """The step after ``partition``: its forward graph ``(*primals) -> (*outputs, *saved)`` and
+    backward graph ``(*saved, *tangents) -> gradients``; under a zero-bubble schedule also the
+    backward's input-gradient part ``bw_input`` and weight-gradient part ``bw_weight``."""
+
+    fw: torch.fx.GraphModule
+    bw: torch.fx.GraphModule
+    n_outputs: int
+    bw_input: torch.fx.GraphModule | None = None
+    bw_weight: torch.fx.GraphModule | None = None
+    n_input_grads: int = 0
 
 
-def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes: list[tuple[str, GraphPass]]) -> torch.fx.GraphModule:
+@dataclass(frozen=True)
+class Pass:
+    """One registered pass: ``fn(value, plan, ctx)`` takes a ``takes`` and returns a ``gives``;
+    it runs where ``when(ctx)`` holds (every time without one); ``optional`` ones the user may
+    turn off (``autopar.compile(disable_passes=...)``)."""
+
+    name: str
+    takes: type
+    gives: type
+    fn: Callable[[Any, Plan, PassContext], Any]
+    when: Callable[[PassContext], bool] | None = None
+    optional: bool = False
+
+
+# Options of a pass the user may turn off by name beside the optional passes themselves.
+SWITCHES = {"bucket": "overlap's merging (one collective per parameter instead of per bucket)",
+            "inductor": "Inductor (the same graphs run eagerly)"}
+
+
+def step_passes() -> list[Pass]:
+    """The passes every step graph goes through, in order."""
+    from autopar import backend
+    from autopar.passes.ac import apply_ac
+    from autopar.passes.distribute import distribute
+    from autopar.passes.overlap import overlap
+    from autopar.passes.pp import split_weight_gradients
+
+    G = torch.fx.GraphModule
+    return [
+        Pass("distribute", G, G, distribute),
+        Pass("ac", G, G, apply_ac, optional=True),
+        Pass("partition", G, StepGraphs, backend.partition),
+        Pass("overlap", StepGraphs, StepGraphs, overlap, when=lambda ctx: ctx.step.dp is not None, optional=True),
+        Pass("zero-bubble split", StepGraphs, StepGraphs, split_weight_gradients,
+             when=lambda ctx: ctx.step.split_weight is not None),
+    ]
+
+
+def check_disabled(names) -> set:
+    """``disable_passes`` as a set, refused in words when it names what cannot be turned off."""
+    names = {names} if isinstance(names, str) else set(names)
+    allowed = {p.name: "" for p in step_passes() if p.optional} | SWITCHES
+    bad = sorted(names - set(allowed))
+    if bad:
+        raise AutoparError(f"disable_passes: {', '.join(map(repr, bad))} cannot be turned off; what can: "
+                           + ", ".join(sorted(allowed)))
+    return names
+
+
+def run_passes(value: Any, ctx: PassContext, passes: list[Pass]) -> Any:
+    """Run ``passes`` in order on ``value``: each checked to take and return what it declares,
+    timed into ``ctx.timings``, a failure named with the passes that ran before it."""
     done: list[str] = []
-    for name, fn in passes:
-        if name in ctx.disabled:
-            ctx.note(name, "disabled by the user")
+    for p in passes:
+        if p.when is not None and not p.when(ctx):
             continue
+        if p.name in ctx.disabled:
+            ctx.note(p.name, "disabled by the user")
+            continue
+        if not isinstance(value, p.takes):
+            raise AutoparError(f"pass {p.name!r} takes a {p.takes.__name__}, got {type(value).__name__} "
+                               f"(after {', '.join(done) or 'no other pass'})")
         t0 = time.perf_counter()
         try:
-            out = fn(gm, ctx.plan, ctx)
+            out = p.fn(value, ctx.plan, ctx)
         except AutoparError:
             raise
         except Exception as e:
             raise AutoparError(
-                f"pass {name!r} failed after {', '.join(done) or 'no other pass'}: {type(e).__name__}: {e}"
+                f"pass {p.name!r} failed after {', '.join(done) or 'no other pass'}: {type(e).__name__}: {e}"
             ) from e
-        if not isinstance(out, torch.fx.GraphModule):
-            raise AutoparError(f"pass {name!r} returned {type(out).__name__}, not a torch.fx.GraphModule")
-        ctx.timings[name] = time.perf_counter() - t0
-        log.info("pass %s: %.2fs, ops %s", name, ctx.timings[name], _op_diff(gm, out))
-        gm = out
-        done.append(name)
-    return gm
+        if not isinstance(out, p.gives):
+            raise AutoparError(f"pass {p.name!r} returned {type(out).__name__}, not a {p.gives.__name__}")
+        ctx.timings[p.name] = time.perf_counter() - t0
+        if log.isEnabledFor(logging.INFO):
+            log.info("pass %s: %.2fs, ops %s", p.name, ctx.timings[p.name], _op_diff(value, out))
+        value = out
+        done.append(p.name)
+    return value
 
 
-def _op_diff(before: torch.fx.GraphModule, after: torch.fx.GraphModule) -> str:
-    a, b = count_ops(before), count_ops(after)
+def _graphs(value: Any) -> list[torch.fx.GraphModule]:
+    if isinstance(value, torch.fx.GraphModule):
+        return [value]
+    if isinstance(value, StepGraphs):
+        return [g for g in (value.fw, value.bw, value.bw_input, value.bw_weight) if g is not None]
+    if isinstance(value, list):
+        return [g for v in value for g in _graphs(getattr(v, "gm", v))]
+    return []
+
+
+def _op_diff(before: Any, after: Any) -> str:
+    a = sum((count_ops(g) for g in _graphs(before)), Counter())
+    b = sum((count_ops(g) for g in _graphs(after)), Counter())
     diff = {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
     return ", ".join(f"{k} {v:+d}" for k, v in sorted(diff.items())) or "unchanged"
 

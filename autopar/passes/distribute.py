@@ -30,10 +30,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
 from autopar.errors import AutoparError
+from autopar.fxops import SPLIT_OPS
 from autopar.passes import GATHERED_INPUT, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
-from autopar.roles import SPLIT_OPS
 
 _aten = torch.ops.aten
 

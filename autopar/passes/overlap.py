@@ -36,10 +36,32 @@ _REDUCE = {_c10d.reduce_scatter_tensor.default: "reduce_scatter", _c10d.all_redu
 
 
 @dataclass
+class DPCollectives:
+    """What ``overlap`` needs to know of a step's data-parallel collectives."""
+
+    param_layer: list  # parameter index -> its repeated layer (None outside the layers)
+    grad_param: list  # backward output -> the parameter whose gradient it is (None otherwise)
+    groups: set  # names of the data-parallel process groups
+
+
+@dataclass
 class Bucket:
     kind: str  # all_gather | reduce_scatter | all_reduce
     key: tuple  # (layer or None, group, dtype, ...): consecutive collectives with one key merge
     nodes: list  # the collective nodes, in graph order
+
+
+def overlap(graphs, plan, ctx):
+    """The pass: ``schedule`` on the forward graph (gathers) and the backward graph (regathers
+    and gradient reductions) of a ``StepGraphs``, ``ctx.step.dp`` saying which collectives are
+    data-parallel; ``plan.fsdp_prefetch`` buckets gathered ahead; the user's ``bucket`` switch
+    off keeps one collective per parameter."""
+    dp = ctx.step.dp
+    kw = dict(param_layer=dp.param_layer, dp_groups=dp.groups, prefetch=plan.fsdp_prefetch,
+              merge="bucket" not in ctx.disabled)
+    schedule(graphs.fw, grad_param=[], **kw)
+    schedule(graphs.bw, grad_param=dp.grad_param, **kw)
+    return graphs
 
 
 def schedule(gm: torch.fx.GraphModule, *, param_layer: list, grad_param: list, dp_groups: set[str],

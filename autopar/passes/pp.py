@@ -15,11 +15,15 @@ planned layer boundaries into one graph per pipeline stage, with no change to th
   says which stages share it (the runtime sums the copies' gradients, see ``TiedGrads``).
 
 Each stage graph is an ordinary ``StepGraph`` (its parameters, buffers, inputs), so it goes through
-the same distribute/AC passes and backend as a whole model; ``torch.distributed.pipelining``
-schedules (GPipe, 1F1B, interleaved 1F1B) run the compiled stages.
+the same passes and backend as a whole model; ``torch.distributed.pipelining`` schedules (GPipe,
+1F1B, interleaved 1F1B, zero-bubble) run the compiled stages. Zero-bubble schedules run the
+backward as two parts, input gradients then weight gradients: ``split_weight_gradients`` cuts
+them from the partitioned backward graph.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -64,6 +68,11 @@ def _stage_of_nodes(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -
         if a in stage and stage[a] != n_stages - 1:
             raise AutoparError("the model's output is computed before the last pipeline stage")
     return stage, free
+
+
+def pipeline_split(sg: StepGraph, plan, ctx) -> list:
+    """The pass: ``sg`` cut into the plan's ``pp x v`` stage graphs, each layer where the plan puts it."""
+    return split(sg, layer_stages(sg, plan), plan.pp * plan.v)
 
 
 def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[StepGraph]:
@@ -156,3 +165,67 @@ def layer_stages(sg: StepGraph, plan) -> dict[int, int]:
             f"layers ({len(sg.layers)}, e.g. {sg.layers[0] if sg.layers else 'none'}); plan this model again"
         )
     return {i: by_fqn[f] for i, f in enumerate(sg.layers)}
+
+
+def split_weight_gradients(graphs, plan, ctx):
+    """The pass: a ``StepGraphs``' backward also as its input-gradient and weight-gradient parts
+    (``split_backward``; the first ``ctx.step.split_weight`` gradients are the weights')."""
+    graphs.bw_input, graphs.bw_weight, graphs.n_input_grads = split_backward(graphs.bw, ctx.step.split_weight)
+    return graphs
+
+
+def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+    """Split the backward graph for zero-bubble pipeline schedules into the input-gradient part
+    ``I: (*saved, *tangents) -> (*input grads, *carried)`` and the weight-gradient part
+    ``W: (*carried) -> (*weight grads)``. The backward's outputs are the weight gradients (the
+    first ``n_weight``) then the input gradients. ``I`` holds every node an input gradient
+    depends on; ``W`` the rest; ``carried`` are the values of ``I`` (saved tensors, tangents or
+    intermediates) that ``W`` reads. Returns (I, W, number of input gradients)."""
+    g = bw.graph
+    (out,) = g.find_nodes(op="output")
+    outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    w_outs, i_outs = outs[:n_weight], outs[n_weight:]
+
+    def ancestors(roots) -> set:
+        seen, stack = set(), [r for r in roots if isinstance(r, torch.fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack += n.all_input_nodes
+        return seen
+
+    in_i = ancestors(i_outs)
+    in_w = ancestors(w_outs) - in_i
+    # A multi-output op in I (layer norm's backward: input, weight and bias gradients) hands W
+    # its items, not the tuple: a graph's inputs and outputs are tensors.
+    items = {n for n in in_w if n.target is operator.getitem and n.args[0] in in_i}
+    in_i |= items
+    in_w -= items
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    stray = [n for n in g.nodes if n.op not in ("placeholder", "output") and n not in in_i and n not in in_w]
+    if stray:
+        raise RuntimeError(f"backward nodes outside both gradient parts: {[n.name for n in stray[:5]]}")
+    carried = [n for n in g.nodes if n in in_i and (any(u in in_w for u in n.users) or n in w_outs)]
+    carried += [n for n in placeholders if n not in in_i and any(u in in_w for u in n.users)]
+
+    gi, env = torch.fx.Graph(), {}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = gi.node_copy(n)
+        elif n in in_i:
+            env[n] = gi.node_copy(n, lambda a: env[a])
+    gi.output([env[x] if isinstance(x, torch.fx.Node) else x for x in i_outs] + [env[c] for c in carried])
+    gw, envw = torch.fx.Graph(), {}
+    for c in carried:
+        ph = gw.placeholder(f"carried_{c.name}")
+        ph.meta = dict(c.meta)
+        envw[c] = ph
+    for n in g.nodes:
+        if n in in_w and n.op != "placeholder":  # W's placeholders are the carried values
+            envw[n] = gw.node_copy(n, lambda a: envw[a])
+    gw.output([envw[x] if isinstance(x, torch.fx.Node) else x for x in w_outs])
+    gi.lint()
+    gw.lint()
+    return torch.fx.GraphModule(bw, gi), torch.fx.GraphModule(bw, gw), len(i_outs)

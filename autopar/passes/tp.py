@@ -27,7 +27,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.roles import FEATURE_VIEWS, Roles
+from autopar.fxops import FEATURE_VIEWS
+from autopar.roles import Roles
 
 
 @dataclass

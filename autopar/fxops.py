@@ -1,0 +1,98 @@
+"""Small helpers over ATen FX graphs that every stage reads: op names, the op sets the stages
+agree on, per-node FLOPs and bytes, and which parameters a model registers under several names."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+_aten = torch.ops.aten
+
+# Layout ops: priced as moving no bytes of their own (a view, or a copy Inductor folds into the
+# kernel that reads it).
+VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze",
+    "squeeze", "slice", "select", "alias", "detach", "as_strided", "unflatten", "flatten",
+    "split", "split_with_sizes", "chunk", "unbind", "_reshape_alias", "view_as_real",
+    "view_as_complex", "contiguous", "clone", "_to_copy", "to", "lift_fresh_copy",
+}
+
+# Ops that keep a projection's features whole while reshaping them (into heads, into parts) or
+# copying them: what the role finder follows from a column linear to its consumers.
+FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
+                 _aten.clone.default, _aten._to_copy.default}
+# Ops that split one tensor into parts (a fused QKV or gate/up projection).
+SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
+# The functional collectives the passes insert (``_c10d_functional``), by op name.
+COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
+               "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_to_all_single")
+
+
+def op_name(target: Any) -> str:
+    """'aten.mm.default' -> 'mm'."""
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+
+
+def tensor_bytes(x: Any) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    fn = flop_registry.get(getattr(func, "overloadpacket", None))
+    if fn is None:
+        return 0
+    shapes = pytree.tree_map(lambda x: x.shape if isinstance(x, torch.Tensor) else x, (args, kwargs, out))
+    try:
+        return int(fn(*shapes[0], **shapes[1], out_val=shapes[2]))
+    except Exception:  # a formula that does not accept these arguments: count as no FLOPs
+        return 0
+
+
+def node_flops(n: torch.fx.Node) -> int:
+    """``op_flops`` of a traced node, read from its inputs' and output's fake values."""
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), (n.args, n.kwargs))
+    return op_flops(n.target, args, kwargs, n.meta.get("val"))
+
+
+@functools.cache
+def is_view(target) -> bool:
+    """Whether ``target`` returns one tensor aliasing its input (its schema says so, as for
+    ``view``, ``t``, ``slice``, ``expand``; ``_unsafe_view`` aliases without saying it)."""
+    rets = target._schema.returns if isinstance(target, torch._ops.OpOverload) else ()
+    return target is torch.ops.aten._unsafe_view.default or (
+        len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
+
+
+def first_by_storage(nodes) -> dict:
+    """Storage -> the name of the first of ``nodes`` whose value lives in it."""
+    out: dict = {}
+    for n in nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out.setdefault(StorageWeakRef(v.untyped_storage()), n.name)
+    return out
+
+
+def unique_parameters(model: nn.Module, skip: tuple[str, ...] = ()) -> tuple[list[str], list, dict[str, list[str]]]:
+    """Each parameter of ``model`` once, under its first name (``named_parameters`` order), and
+    the other names a tied parameter is registered under (a head sharing the embedding's weight):
+    ``(names, parameters, {first name: [other names]})``. Names starting with a ``skip`` prefix
+    are left out."""
+    names, params, aliases, first = [], [], {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if skip and name.startswith(skip):
+            continue
+        if id(p) in first:
+            aliases.setdefault(first[id(p)], []).append(name)
+            continue
+        first[id(p)] = name
+        names.append(name)
+        params.append(p)
+    return names, params, aliases

@@ -1,0 +1,382 @@
+"""Making models traceable to one static graph on fake tensors: what ``capture`` runs a model
+under while it traces it.
+
+- The export path (``with_export_path_fallback``): a model that branches on a tensor's value is
+  traced again as ``torch.compile`` sees it, the signal libraries take their traceable path on.
+- Random scalar draws compared with a constant probability (LayerDrop), decided exactly where
+  certain (``_ScalarDraws``).
+- Token-routed mixture-of-experts blocks in a fixed-shape form (``fixed_shape_experts_forward``),
+  checked against the block's own forward on its own weights before training
+  (``check_routed_experts``).
+- Attention priced as the target GPU runs it (``_TargetKernels``): no dropout outside the kernel,
+  the fused kernel where this CPU would take the math path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.errors import TraceError
+
+
+def data_dependent(e: BaseException) -> bool:
+    """The trace stopped because the model branches on (or reads) a tensor's value, or an op's
+    output shape depends on values (``nonzero``)."""
+    text = f"{type(e).__name__} {e} {type(e.__cause__).__name__ if e.__cause__ else ''}"
+    return "DataDependent" in text or "data-dependent" in text.lower() or "DynamicOutputShape" in text
+
+
+def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool = False,
+                              model: nn.Module | None = None) -> Any:
+    """Run ``trace``; if the model branches on a tensor's value, trace it again the way
+    ``torch.compile``/``torch.export`` see it (``torch.compiler.is_compiling()`` true), which is
+    the documented signal for libraries to take their traceable path (transformers then skips,
+    e.g., OPT's ``torch.all(attention_mask == 1)`` shortcut), with ``model``'s token-routed
+    mixture-of-experts blocks in their fixed-shape form (``routed_experts``). If that fails too,
+    the error names the line the second trace stopped at."""
+    import contextlib
+
+    import torch.compiler as tc
+
+    def attempt():
+        with contextlib.ExitStack() as stack:
+            if target_kernels:
+                stack.enter_context(_TargetKernels())
+            if tc._is_compiling_flag:  # the second trace: decide random-threshold branches exactly
+                stack.enter_context(_ScalarDraws())
+                if model is not None:
+                    stack.enter_context(_FixedShapeExperts(model))
+            return trace()
+
+    try:
+        return attempt()
+    except TraceError as first:
+        if not data_dependent(first) or tc._is_compiling_flag:
+            raise
+        tc._is_compiling_flag = True
+        try:
+            return attempt()
+        except TraceError as second:
+            if str(second) == str(first):
+                raise first from None
+            raise TraceError(f"{second} (traced twice: the first trace stopped at another value-dependent line, "
+                             "and the export path, torch.compiler.is_compiling() true, passed it but stops here)") from None
+        finally:
+            tc._is_compiling_flag = False
+
+
+class _ScalarDraw(float):
+    """A uniform draw ``torch.rand([])`` whose only use is a comparison with a constant
+    probability in Python control flow (LayerDrop: ``if torch.rand([]) < p: skip the layer``).
+    The comparison is decided exactly when it is certain (``p <= 0`` never, ``p >= 1`` always);
+    otherwise one static graph cannot represent the model and the trace stops, naming the line
+    and what to set. Any other use of the value stops the trace too."""
+
+    def __new__(cls, where: str):
+        obj = float.__new__(cls, 0.0)
+        obj.where = where
+        return obj
+
+    def _decide(self, p, below: bool) -> bool:
+        if isinstance(p, torch.Tensor) or not isinstance(p, (int, float)):
+            self._refuse(f"compared with {type(p).__name__}")
+        if p <= 0:
+            return not below
+        if p >= 1:
+            return below
+        raise TraceError(
+            f"{self.where}: the model draws a random number and skips work when it is below {p} (stochastic "
+            "depth, e.g. LayerDrop); one static graph cannot do that: set that probability to 0 "
+            "(e.g. config.layerdrop=0) to train it with autopar")
+
+    def _refuse(self, what: str):
+        raise TraceError(f"{self.where}: a random scalar (torch.rand([])) is {what}; autopar traces such a "
+                         "draw only where it is compared with a constant probability")
+
+    def __lt__(self, p):
+        return self._decide(p, True)
+
+    __le__ = __lt__
+
+    def __gt__(self, p):
+        return self._decide(p, False)
+
+    __ge__ = __gt__
+
+    def _value(self, *_):
+        self._refuse("used as a value")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _value
+    __float__ = __bool__ = __neg__ = __pow__ = __rpow__ = _value
+
+
+class _ScalarDraws(torch.overrides.TorchFunctionMode):
+    """``torch.rand([])`` (one scalar) becomes a ``_ScalarDraw`` while the export path traces."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.rand and _scalar_size(args, kwargs):
+            return _ScalarDraw(_user_line())
+        return func(*args, **kwargs)
+
+
+def _scalar_size(args, kwargs) -> bool:
+    size = kwargs.get("size", args[0] if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)) else args)
+    return isinstance(size, (list, tuple, torch.Size)) and len(size) == 0
+
+
+def _user_line() -> str:
+    import traceback
+
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in fr.filename and "/autopar/" not in fr.filename:
+            return f"{os.path.basename(fr.filename)}:{fr.lineno}: {(fr.line or '').strip()}"
+    return "the model"
+
+
+# --------------------------------------------------------------------------------------------
+# Token-routed mixture-of-experts blocks
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A mixture-of-experts block recognised by its structure: ``experts`` (a list of ``E``
+    identical modules), ``top_k`` (or ``num_experts_per_tok``), one router, optionally shared
+    experts. The router is either a linear with ``E`` outputs whose softmax top-k routes (Mixtral,
+    Qwen2-MoE, OLMoE: the block returns its output and the router logits), or a gate module of its
+    own, holding an ``(E, hidden)`` weight, that returns each token's chosen experts and their
+    weights (DeepSeek-V2/V3: whatever scoring, grouping or scaling it does is its own code, run as
+    it is; the block returns its output alone). Its own forward sends each expert the tokens routed
+    to it, found with ``nonzero`` or by sorting: shapes that depend on values, which no static
+    graph holds."""
+
+    name: str
+    module: nn.Module
+    router: str
+    top_k: int
+    normalize: bool
+    gate_module: bool = False  # the router is a gate module returning (experts, weights)
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.module.experts)
+
+
+_MOE_PARTS = {"experts", "shared_expert", "shared_expert_gate", "shared_experts", "act_fn"}
+
+
+def _router_kind(mod: nn.Module, n_experts: int) -> str | None:
+    """``"linear"`` for a linear router with ``n_experts`` outputs, ``"gate"`` for a gate module
+    whose own ``(n_experts, hidden)`` weight scores the experts, else None."""
+    if isinstance(mod, nn.Linear):
+        return "linear" if mod.out_features == n_experts else None
+    w = getattr(mod, "weight", None)
+    if isinstance(w, nn.Parameter) and w.dim() == 2 and w.shape[0] == n_experts and not list(mod.children()):
+        return "gate"
+    return None
+
+
+def routed_experts(model: nn.Module) -> list[RoutedExperts]:
+    out = []
+    for name, m in model.named_modules():
+        experts = getattr(m, "experts", None)
+        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or len({type(e) for e in experts}) != 1:
+            continue
+        E = len(experts)
+        routers = [(c, kind) for c, mod in m.named_children() if (kind := _router_kind(mod, E))]
+        others = {c for c, _ in m.named_children()} - _MOE_PARTS - {c for c, _ in routers[:1]}
+        # top_k on the block, on its gate (DeepSeek-V3), or in the config the block keeps.
+        holders = (m, getattr(m, routers[0][0]) if routers else None, getattr(m, "config", None))
+        k = next((v for h in holders for a in ("top_k", "num_experts_per_tok") if (v := getattr(h, a, None))), None)
+        if not isinstance(k, int) or not 1 <= k <= E or len(routers) != 1 or others:
+            continue
+        out.append(RoutedExperts(name, m, routers[0][0], k, bool(getattr(m, "norm_topk_prob", True)),
+                                 gate_module=routers[0][1] == "gate"))
+    return out
+
+
+def _gate_routing(r: RoutedExperts, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gate module's routing: its own forward on the block's input, read as the chosen experts
+    (an integer tensor of ``top_k`` columns) and their weights (a float tensor of the same shape)."""
+    got = getattr(r.module, r.router)(hidden)
+    parts = [t for t in (got if isinstance(got, (tuple, list)) else (got,)) if isinstance(t, torch.Tensor)]
+    idx = [t for t in parts if not t.is_floating_point() and t.shape[-1] == r.top_k]
+    wts = [t for t in parts if t.is_floating_point() and t.shape[-1] == r.top_k]
+    if len(idx) != 1 or len(wts) != 1 or idx[0].shape != wts[0].shape:
+        raise TraceError(f"the mixture-of-experts block {r.name}: its gate {r.router} "
+                         f"({type(getattr(r.module, r.router)).__name__}) does not return one tensor of chosen experts "
+                         f"and one of their weights ({r.top_k} per token), so autopar cannot trace the block in a "
+                         "fixed-shape form")
+    return idx[0].reshape(-1, r.top_k), wts[0].reshape(-1, r.top_k)
+
+
+def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor):
+    """The block's output with fixed shapes: every expert runs on every token and its output is
+    weighted by the token's routing weight, exactly 0 where the token was not routed to it; the
+    sum runs in expert order, as the routed form's ``index_add_`` does, so each token gets the
+    same additions. Expert FLOPs are marked ``moe_active = top_k / E`` (what a routed kernel runs).
+    A linear router's block returns ``(output, router logits)``; a gate module's block its output
+    (accumulated in the routing weights' precision, as DeepSeek's own combine does)."""
+    m = r.module
+    if m.training and float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0:
+        raise TraceError(f"the mixture-of-experts block {r.name} multiplies its input by random jitter noise "
+                         f"(router_jitter_noise={m.jitter_noise}) while training, which one static graph cannot "
+                         "reproduce; set router_jitter_noise=0 in the config")
+    b, s, h = hidden.shape
+    x = hidden.reshape(-1, h)
+    if r.gate_module:
+        chosen, weights = _gate_routing(r, hidden)
+        acc = weights.dtype
+    else:
+        logits = getattr(m, r.router)(x)
+        weights = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, r.top_k, dim=-1)
+        if r.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        acc = x.dtype
+    dense = torch.zeros(x.shape[0], r.n_experts, dtype=acc, device=x.device).scatter(1, chosen, weights.to(acc))
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    with fx_traceback.annotate({"moe_active": r.top_k / r.n_experts}):
+        for e, expert in enumerate(m.experts):
+            out = out + expert(x).to(acc) * dense[:, e:e + 1]
+    out = out.to(x.dtype)
+    shared = getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None)
+    if shared is not None:
+        gate = getattr(m, "shared_expert_gate", None)
+        y = shared(x)
+        out = out + (torch.sigmoid(gate(x)) * y if gate is not None else y)
+    if r.gate_module:
+        return out.reshape(b, s, h)
+    return out.reshape(b, s, h), logits
+
+
+class _FixedShapeExperts:
+    """While tracing, each routed-experts block of ``model`` runs ``fixed_shape_experts_forward``."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = routed_experts(model)
+
+    def __enter__(self):
+        self.kept = [r.module.__dict__.get("forward") for r in self.blocks]  # a hook's own patch, if any
+        for r in self.blocks:
+            r.module.forward = lambda hidden, r=r: fixed_shape_experts_forward(r, hidden)
+        return self
+
+    def __exit__(self, *exc):
+        for r, kept in zip(self.blocks, self.kept):
+            r.module.__dict__.pop("forward", None)
+            if kept is not None:
+                r.module.forward = kept
+
+
+def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedExperts]:
+    """Before a model with routed experts trains in the fixed-shape form, prove on its own weights
+    that the form computes what the block's own forward computes (random tokens, both outputs);
+    a block that routes otherwise is refused rather than trained as a different model."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    from autopar.errors import AutoparError
+
+    blocks = routed_experts(model)
+    for r in blocks:
+        w = getattr(r.module, r.router).weight
+        if w.device.type == "meta" or isinstance(w, (FakeTensor, DTensor)):  # nothing real to run
+            continue
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(1, tokens, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
+        with torch.no_grad():
+            own = r.module(x)
+            mine = fixed_shape_experts_forward(r, x)
+        own_t = own if isinstance(own, tuple) else (own,)
+        mine = mine if isinstance(mine, tuple) else (mine,)
+        if len(own_t) != len(mine) or any(not isinstance(a, torch.Tensor) or a.shape != b.shape
+                                          for a, b in zip(own_t, mine)):
+            why = "its outputs have other shapes"
+        else:
+            diff = max(float((a - b).abs().max() / max(1.0, float(a.abs().max()))) for a, b in zip(own_t, mine))
+            why = f"outputs differ by {diff:.2g}" if diff > 1e-5 else None
+        if why:
+            raise AutoparError(
+                f"the mixture-of-experts block {r.name} ({type(r.module).__name__}) does not compute what autopar's "
+                f"fixed-shape routed-experts form computes ({why}); its routing (e.g. sigmoid scores, grouped or "
+                "biased top-k, capacity limits) is not the softmax top-k autopar knows, so it is not trained "
+                "rather than trained as a different model")
+    return blocks
+
+
+# --------------------------------------------------------------------------------------------
+# Attention as the target GPU runs it
+# --------------------------------------------------------------------------------------------
+class _TargetKernels(torch.overrides.TorchFunctionMode):
+    """Price what the target GPU runs, not what this host's kernels choose. Attention with
+    dropout has no fused kernel on CPU, so the trace would take (and price) the unfused math
+    decomposition; a GPU runs flash/efficient attention with dropout inside the kernel. The
+    planner's trace therefore calls attention without dropout (same shapes, same fused op);
+    the executor traces the real model, dropout included."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            elif "dropout_p" in kwargs:
+                kwargs["dropout_p"] = 0.0
+            fused = _fused_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _cpu_fuses(a: dict) -> bool:
+    """Whether this CPU's SDPA picks a fused kernel for these arguments: asked of torch's own
+    choice on two-token stand-ins of the same dtypes and head counts (fake tensors always say math)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        q, k, v = (torch.zeros(1, t.shape[-3], 2, t.shape[-1], dtype=t.dtype) for t in (a["query"], a["key"], a["value"]))
+        mask = a.get("attn_mask")
+        if mask is not None:
+            mask = torch.zeros(*(1 for _ in mask.shape[:-2]), 2, 2, dtype=mask.dtype)
+        choice = torch.ops.aten._fused_sdp_choice(q, k, v, mask, 0.0, bool(a.get("is_causal", False)),
+                                                  scale=a.get("scale"), enable_gqa=bool(a.get("enable_gqa", False)))
+    return choice != 0
+
+
+def _fused_attention(*args, **kwargs) -> torch.Tensor | None:
+    """Attention with an explicit mask or fewer key/value heads than query heads (Falcon's
+    multi-query, GQA without ``repeat_kv``) takes the unfused math path on this CPU, while a GPU
+    runs a fused kernel (memory-efficient attention takes the mask; flash and cuDNN take shared
+    KV heads). The planner's trace calls the fused kernel itself, with the key/value heads
+    repeated and the mask as an additive float tensor: same shapes, priced as the fused op (not
+    causal: a mask's blocks are not skipped). Other calls are left as they are (None)."""
+    a = dict(zip(_SDPA_ARGS, args), **kwargs)
+    q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+    if q.dim() != 4 or k.dim() != 4 or not k.shape[-3] or q.shape[-3] % k.shape[-3] or _cpu_fuses(a):
+        return None
+    rep = q.shape[-3] // k.shape[-3]
+    if rep > 1:
+        k, v = (t.repeat_interleave(rep, dim=-3) for t in (k, v))
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:  # a narrower value head (DeepSeek's MLA): padded in, sliced out, as flash kernels do
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
+    elif dv > q.shape[-1]:
+        return None
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        mask = mask.to(q.dtype)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, bool(a.get("is_causal", False)), attn_mask=mask, scale=a.get("scale"))
+    return out[..., :dv]
+
