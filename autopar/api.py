@@ -816,15 +816,15 @@ def compile(
     The flow, in order: capture and plan (``plan``), trace the single-device training step to one
     graph (``capture.trace_step``), place every parameter (``passes/tp.py``, ``passes/fsdp.py``),
     run the registered passes on it (``passes.step_passes``: distribute, ac, partition, overlap,
-    zero-bubble split; pipeline plans cut it into stage graphs first), compile each graph
+    zero-bubble split, regions; pipeline plans cut it into stage graphs first), compile each graph
     (``backend.compile_step``), and wrap it (``runtime.ParallelModule``). ``compile=False`` runs the same
     graphs without Inductor. ``tune=True`` measures the planner's top ``tune_top`` plans for
     ``tune_steps`` real steps on copies of the model and applies the fastest one that fits.
     ``mp_policy``: mixed precision, a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (FSDP2's
     meaning) or a precision name (``bf16-mixed``: fp32 masters, bf16 compute and gathers, fp32
     gradient reduction); by default a given plan's precision, else the parameters' own dtype.
-    ``disable_passes``: optional passes (``ac``, ``overlap``) or switches (``bucket``,
-    ``inductor``) to turn off, for debugging; anything else is refused.
+    ``disable_passes``: optional passes (``ac``, ``overlap``, ``regions``) or switches
+    (``bucket``, ``inductor``) to turn off, for debugging; anything else is refused.
     """
     from autopar.runtime import guarded
 

@@ -168,12 +168,13 @@ def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
     compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, 3 if split else 2)
     try:
         if not split:
-            step = CompiledStep(compiled(fw, "forward"), compiled(bw, "backward"), fw, bw, graphs.n_outputs)
+            step = CompiledStep(compiled(graphs.to_compile("fw"), "forward"), compiled(graphs.to_compile("bw"), "backward"),
+                                fw, bw, graphs.n_outputs)
         else:  # the backward runs as its two parts only
-            step = CompiledStep(compiled(fw, "forward"), None, fw, bw, graphs.n_outputs)
+            step = CompiledStep(compiled(graphs.to_compile("fw"), "forward"), None, fw, bw, graphs.n_outputs)
             step.n_input_grads = graphs.n_input_grads
-            step.bw_input = compiled(graphs.bw_input, "backward (input gradients)")
-            step.bw_weight = compiled(graphs.bw_weight, "backward (weight gradients)")
+            step.bw_input = compiled(graphs.to_compile("bw_input"), "backward (input gradients)")
+            step.bw_weight = compiled(graphs.to_compile("bw_weight"), "backward (weight gradients)")
             step.bw_weight_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None
                                       for v in _example(graphs.bw_weight)]
     finally:

@@ -1,11 +1,16 @@
-"""Compile time: how long ``autopar.compile`` takes before training starts, by stage, on CPU
-processes over gloo. ``setup_s`` is ``autopar.compile`` itself (fake-tensor trace, analysis,
-search, passes); ``first_step_s`` is the first step, which includes Dynamo and Inductor compiling
-the model (a fresh Inductor cache per run, so nothing is reused); ``step_s`` is a later step.
+"""Time to the first step: from the call that prepares a model to the end of its first training
+step (forward, loss, backward), on one process, against what a user would otherwise write on the
+same model: ``torch.compile`` applied to each decoder block (torchtitan's way: identical blocks
+reuse one compiled graph). Each measurement runs in a fresh process with an empty Inductor cache,
+so nothing is reused between them. HF Llama, hidden 64, fp32, batch 4 x 64, at several depths.
+
+``python -m bench.compile_time [--layers 8 16 32]``; ``--flat`` adds autopar with its
+``regions`` pass off (every layer compiled inline), the time it took before that pass.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -15,50 +20,80 @@ import torch
 
 from bench.common import write
 
-MODEL, BATCH, SEQ = "llama-small", 8, 256
-CASES = [(1, "auto"), (2, "dp=2,fsdp=1,pp=1,ac=none"), (2, "tp=2,sp=1,pp=1,ac=none"), (2, "pp=2,schedule=1f1b,mb=2,ac=none")]
+BATCH, SEQ = 4, 64
 
 
-def _rank(world: int, pin: str) -> dict:
-    import torch.distributed as dist
+def _model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    import autopar
-    from autopar import models
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg)
 
+
+def _measure(rank: int, world: int, port: int, how: str, layers: int) -> dict:
+    """One measurement in this (fresh) process: seconds to the end of the first step and of a second one."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
+    os.environ["AUTOPAR_QUIET"] = "1"
+    torch.set_num_threads(1)
+    from autopar.capture import default_loss
+
+    model = _model(layers)
     ids = torch.randint(0, 1024, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     tgt = torch.roll(ids, -1, dims=1)
     t0 = time.perf_counter()
-    pm = autopar.compile(models.build_preset(MODEL), world, example_inputs=(ids,), hardware="cpu-gloo",
-                         plan="auto" if pin == "auto" else pin, global_batch=BATCH)
-    t1 = time.perf_counter()
-    pm.step(ids, target=tgt)
-    t2 = time.perf_counter()
-    pm.step(ids, target=tgt)
-    t3 = time.perf_counter()
-    times = torch.tensor([t1 - t0, t2 - t1, t3 - t2])
-    if dist.is_initialized():
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {"plan": pm.plan.as_config_string(), "setup_s": float(times[0]), "first_step_s": float(times[1]),
-            "step_s": float(times[2])}
+    if how.startswith("autopar"):
+        import autopar
+
+        pm = autopar.compile(model, 1, example_inputs=(ids,), plan=f"mb={BATCH}", global_batch=BATCH,
+                             hardware="cpu", disable_passes=("regions",) if how == "autopar flat" else ())
+        ready = time.perf_counter()
+
+        def step():
+            return pm.step(ids, target=tgt)
+    else:
+        for layer in model.model.layers:
+            layer.compile()
+        ready = time.perf_counter()
+
+        def step():
+            loss = default_loss(model(ids), tgt)
+            loss.backward()
+            return loss
+
+    loss = float(step())
+    first = time.perf_counter()
+    step()
+    second = time.perf_counter()
+    return {"how": how, "layers": layers, "prepare_s": ready - t0, "first_step_s": first - t0,
+            "step_s": second - first, "loss": loss}
 
 
 def main(argv=None) -> int:
     from autopar import launch
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--flat", action="store_true", help="also autopar with every layer compiled inline")
+    a = ap.parse_args(argv)
+    hows = ["torch.compile per block", "autopar"] + (["autopar flat"] if a.flat else [])
     rows = []
-    for world, pin in CASES:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
-        if world == 1:
-            torch.set_num_threads(1)
-            r = _rank(world, pin)
-        else:
-            r = launch.run(world, "gloo", _rank, world, pin)[0]
-        r.update(world=world, pin=pin)
-        rows.append(r)
-        print(f"world {world} {pin:34s} setup {r['setup_s']:.2f}s  first step (Inductor) {r['first_step_s']:.2f}s  "
-              f"step {r['step_s']:.2f}s  plan {r['plan']}")
-    write("compile_time", rows, {"model": f"{MODEL}, batch {BATCH} x {SEQ}, fp32, Inductor"},
-          ["world", "pin", "plan", "setup_s", "first_step_s", "step_s"], "Compile time by stage (CPU, gloo)")
+    for layers in a.layers:
+        for how in hows:
+            r = launch.spawn(1, _measure, how, layers, timeout=1800).results[0][0]
+            rows.append(r)
+            print(f"{layers:3d} layers  {how:24s} first step at {r['first_step_s']:6.1f} s "
+                  f"(prepare {r['prepare_s']:.1f} s), next step {r['step_s']:.3f} s, loss {r['loss']:.5f}", flush=True)
+    base = {r["layers"]: r["first_step_s"] for r in rows if r["how"] == "torch.compile per block"}
+    for r in rows:
+        r["vs_per_block"] = r["first_step_s"] / base[r["layers"]]
+    mine = {r["layers"]: r["first_step_s"] for r in rows if r["how"] == "autopar"}
+    lo, hi = min(mine), max(mine)
+    summary = {"model": f"HF Llama hidden 64, batch {BATCH} x {SEQ}, fp32, one process, empty Inductor cache each",
+               f"autopar growth {lo} -> {hi} layers": round(mine[hi] / mine[lo], 3)}
+    write("compile_time", rows, summary, ["layers", "how", "first_step_s", "vs_per_block", "prepare_s", "step_s", "loss"],
+          "Time to the end of the first step (CPU, one process)")
     return 0
 
 

@@ -181,7 +181,7 @@ def test_disable_passes_names_what_can_be_turned_off():
     before = _params(m)
     ids, _ = batch(1)
     for bad in (("distribute",), ("partition", "bucket"), "overlap_typo"):
-        with pytest.raises(AutoparError, match=r"cannot be turned off; what can: ac, bucket, inductor, overlap"):
+        with pytest.raises(AutoparError, match=r"cannot be turned off; what can: ac, bucket, inductor, overlap, regions"):
             autopar.compile(m, 1, example_inputs=(ids,), disable_passes=bad)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
 

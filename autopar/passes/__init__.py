@@ -20,6 +20,8 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
    are complete.
 5. ``zero-bubble split`` (``passes/pp.py``, zero-bubble schedules): the backward graph split
    into its input-gradient and weight-gradient parts.
+6. ``regions`` (``passes/regions.py``): each repeated layer's compute as calls of one shared
+   subgraph per distinct segment, so Inductor compiles each distinct layer once.
 
 Then Inductor compiles each graph whole (``backend.compile_step``), keeping the order the passes
 chose; ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for
@@ -80,6 +82,16 @@ class StepGraphs:
     bw_input: torch.fx.GraphModule | None = None
     bw_weight: torch.fx.GraphModule | None = None
     n_input_grads: int = 0
+    # The same graphs with each repeated layer segment a call of a shared subgraph (``regions``):
+    # what Inductor compiles where set; the flat ones are what memory.py walks and explain lists.
+    fw_regions: torch.fx.GraphModule | None = None
+    bw_regions: torch.fx.GraphModule | None = None
+    bw_input_regions: torch.fx.GraphModule | None = None
+    bw_weight_regions: torch.fx.GraphModule | None = None
+
+    def to_compile(self, name: str) -> torch.fx.GraphModule:
+        """Graph ``name`` (fw, bw, bw_input, bw_weight) as Inductor compiles it."""
+        return getattr(self, f"{name}_regions") or getattr(self, name)
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ def step_passes() -> list[Pass]:
     from autopar.passes.distribute import distribute
     from autopar.passes.overlap import overlap
     from autopar.passes.pp import split_weight_gradients
+    from autopar.passes.regions import regions
 
     G = torch.fx.GraphModule
     return [
@@ -117,6 +130,7 @@ def step_passes() -> list[Pass]:
         Pass("overlap", StepGraphs, StepGraphs, overlap, when=lambda ctx: ctx.step.dp is not None, optional=True),
         Pass("zero-bubble split", StepGraphs, StepGraphs, split_weight_gradients,
              when=lambda ctx: ctx.step.split_weight is not None),
+        Pass("regions", StepGraphs, StepGraphs, regions, optional=True),
     ]
 
 

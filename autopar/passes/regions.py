@@ -1,0 +1,225 @@
+"""Each repeated layer compiled once: the layers' compute as calls of shared subgraphs.
+
+The forward and backward graphs hold every layer inlined, so Inductor would compile a 126-layer
+model's layer 126 times. This pass cuts each layer's compute into *segments* and replaces every
+segment by a call of one subgraph per distinct segment (``torch.ops.higher_order.invoke_subgraph``
+with one identifier per subgraph): Inductor compiles each subgraph once and the graph calls it
+once per layer, as ``torch.compile`` does for a ``nested_compile_region``. The graphs keep
+everything else as it is, in the same order: collectives and their waits, the copies out of
+gathered buckets and random draws stay in the outer graph between segments (so the prefetch,
+bucketing and reduction placement of ``overlap`` run as scheduled), and so does what the layers
+share (rotary tables, masks: values that depend on no parameter).
+
+- **Layers.** A node belongs to the layer its annotation names (``meta["custom"]["layer"]``,
+  set while tracing; saved values and recomputed nodes keep theirs). Nodes autograd made for the
+  backward carry none: each takes the lowest layer among its inputs' (``_labels``).
+- **Segments.** A layer's nodes in graph order, cut where a node reads an outer node that itself
+  read the current segment (a TP all-reduce in the middle of the layer): each segment then reads
+  only values made before it, and everything that reads it can run after it.
+- **Kinds.** Segments with the same operations on the same relative inputs share one subgraph;
+  its outputs are every value any of them hands out (the partitioner may save a different value
+  of the first layer). A segment that occurs once stays inline.
+
+The flat graphs stay what ``memory.py`` walks and ``explain`` lists; the graphs with calls are
+what Inductor compiles (``StepGraphs.fw_regions``/``bw_regions``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.passes.ac import _draws_random
+
+_INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+def regions(graphs, plan, ctx):
+    """The pass: ``StepGraphs`` with ``fw_regions``/``bw_regions`` (and, for a split backward,
+    ``bw_input_regions``/``bw_weight_regions``) set where a graph has repeated segments."""
+    n_params = len(ctx.step.graph.param_names)
+    notes = []
+    shared = _shared(graphs.fw, n_params)
+    for attr in ("fw", "bw", "bw_input", "bw_weight"):
+        gm = getattr(graphs, attr)
+        if gm is None or (attr == "bw" and graphs.bw_input is not None):
+            continue
+        out = wrap_layers(gm, n_params if attr == "fw" else 0, shared)
+        if out is not None:
+            wrapped, kinds, calls = out
+            setattr(graphs, f"{attr}_regions", wrapped)
+            notes.append(f"{attr}: {calls} layer segments as calls of {kinds} compiled subgraphs")
+    for line in notes:
+        ctx.note("regions", line)
+    return graphs
+
+
+def _layer(n: fx.Node):
+    return n.meta.get("custom", {}).get("layer")
+
+
+def _outer(n: fx.Node) -> bool:
+    """Nodes that stay in the outer graph whatever their layer: collectives, their waits, the
+    copies out of a gathered bucket, random draws, and anything that is not a call."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return n.op != "call_function"
+    t = n.target
+    ns = getattr(t, "namespace", None)
+    return ns in ("_c10d_functional", "autopar") or _draws_random(n) or not isinstance(t, torch._ops.OpOverload)
+
+
+def _shared(fw: fx.GraphModule, n_params: int) -> set[str]:
+    """Names of the forward's values computed inside a layer that depend on no parameter (what
+    the layers share): the backward reads them as saved values under the same names."""
+    label = _labels(fw, set())
+    dep = _layer_dependent(fw, n_params, set())
+    return {n.name for n in label if n not in dep}
+
+
+def _labels(gm: fx.GraphModule, shared: set[str]) -> dict:
+    """Each node's layer: its annotation (forward nodes, the backward's recomputed ones, saved
+    values); a node autograd made for the backward (no annotation) takes the lowest layer among
+    its inputs': a layer's backward reads its own saved values and the gradient coming from the
+    layer above, and hands its gradient down."""
+    label = {}
+    for n in gm.graph.nodes:
+        layer = _layer(n) if n.name not in shared else None
+        if layer is not None:
+            label[n] = layer
+        elif n.op == "call_function" and "custom" not in n.meta:
+            below = [label[a] for a in n.all_input_nodes if a in label]
+            if below:
+                label[n] = min(below)
+    return label
+
+
+def _layer_dependent(gm: fx.GraphModule, n_params: int, shared: set[str]) -> set:
+    """Nodes that depend on a parameter (the forward's first ``n_params`` inputs), a tangent or a
+    saved value of a layer: what a layer computes of its own. The rest (rotary tables, masks)
+    the partitioner may compute once inside the first layer for all of them: it stays outside."""
+    dep = set()
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op == "placeholder":
+            if i < n_params or n.name.startswith("tangents") or (_layer(n) is not None and n.name not in shared):
+                dep.add(n)
+        elif any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
+def _segments(gm: fx.GraphModule, members: dict) -> list[list[fx.Node]]:
+    """Each layer's member nodes cut into segments that no outer node both reads and feeds."""
+    out = []
+    for layer in sorted(set(members.values())):
+        seg, inside, taint = [], set(), set()
+        for n in gm.graph.nodes:
+            if members.get(n) == layer:
+                if any(a in taint for a in n.all_input_nodes):
+                    out.append(seg)
+                    seg, inside, taint = [], set(), set()
+                seg.append(n)
+                inside.add(n)
+            elif any(a in inside or a in taint for a in n.all_input_nodes):
+                taint.add(n)
+        if seg:
+            out.append(seg)
+    return out
+
+
+def _inputs(seg: list[fx.Node]) -> list[fx.Node]:
+    inside, ins = set(seg), []
+    for n in seg:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in ins:
+                ins.append(a)
+    return ins
+
+
+def _key(seg: list[fx.Node], ins: list[fx.Node]) -> tuple:
+    """The segment's operations on its relative inputs (which of its inputs, which of its nodes)."""
+    idx = {x: ("in", i) for i, x in enumerate(ins)} | {n: ("n", j) for j, n in enumerate(seg)}
+
+    def shape(v):
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+    return tuple((str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda x: idx[x])), shape(n.meta.get("val")))
+                 for n in seg) + tuple(shape(a.meta.get("val")) for a in ins)
+
+
+def wrap_layers(gm: fx.GraphModule, n_params: int, shared: set[str]) -> tuple[fx.GraphModule, int, int] | None:
+    """``gm`` rebuilt with each repeated layer segment a call of its kind's subgraph: (graph,
+    kinds, calls), or None when no segment repeats. ``n_params``: its first inputs that are
+    parameters; ``shared``: names of saved values the layers share (``_shared``)."""
+    label = _labels(gm, shared)
+    dep = _layer_dependent(gm, n_params, shared)
+    members = {}
+    for n in gm.graph.nodes:  # in order: an item of an outer node's tuple stays outer with it
+        if n in label and n in dep and not _outer(n) and (n.target is not operator.getitem or n.args[0] in members):
+            members[n] = label[n]
+    segs = [(s, _inputs(s)) for s in _segments(gm, members)]
+    keys = [_key(s, ins) for s, ins in segs]
+    count: dict = {}
+    for k in keys:
+        count[k] = count.get(k, 0) + 1
+    wrapped = [(s, ins, k) for (s, ins), k in zip(segs, keys) if count[k] > 1]
+    if not wrapped:
+        return None
+    outs: dict = {}
+    for s, _, k in wrapped:
+        inside = set(s)
+        outs.setdefault(k, set()).update(j for j, n in enumerate(s) if any(u not in inside for u in n.users))
+    return _rebuild(gm, wrapped, {k: sorted(v) for k, v in outs.items()})
+
+
+def _subgraph(seg: list[fx.Node], ins: list[fx.Node], outs: list[int]) -> fx.Graph:
+    g, env = fx.Graph(), {}
+    for i, a in enumerate(ins):
+        ph = g.placeholder(f"arg{i}")
+        ph.meta = dict(a.meta)
+        env[a] = ph
+    for n in seg:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[seg[j]] for j in outs))
+    return g
+
+
+def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple[fx.GraphModule, int, int] | None:
+    """The new graph: the original nodes in order, each wrapped segment emitted as one call where
+    its last node was; a node that reads a segment not emitted yet waits until it is. The
+    subgraphs become submodules of ``gm`` (its own graph is not changed)."""
+    names: dict = {}
+    last = {s[-1]: i for i, (s, _, _) in enumerate(wrapped)}
+    inside = {n for s, _, _ in wrapped for n in s}
+    items = [("seg", last[n]) if n in last else ("node", n) for n in gm.graph.nodes if n in last or n not in inside]
+    g, env = fx.Graph(), {}
+
+    def ready(item) -> bool:
+        return all(a in env for a in (wrapped[item[1]][1] if item[0] == "seg" else item[1].all_input_nodes))
+
+    def emit(item) -> None:
+        if item[0] == "node":
+            env[item[1]] = g.node_copy(item[1], lambda x: env[x])
+            return
+        s, ins, k = wrapped[item[1]]
+        if k not in names:
+            names[k] = f"_layer_segment_{len(names)}"
+            gm.add_submodule(names[k], fx.GraphModule(gm, _subgraph(s, ins, outs[k])))
+        call = g.call_function(_INVOKE, (g.get_attr(names[k]), names[k], *[env[a] for a in ins]))
+        call.meta["val"] = tuple(s[j].meta.get("val") for j in outs[k])
+        for i, j in enumerate(outs[k]):
+            env[s[j]] = g.call_function(operator.getitem, (call, i))
+            env[s[j]].meta = dict(s[j].meta)
+
+    pending: list = []
+    for item in items:
+        pending.append(item)
+        while (p := next((p for p in pending if ready(p)), None)) is not None:
+            emit(p)
+            pending.remove(p)
+    if pending:
+        return None  # a segment that reads itself through the outer graph: leave the graph flat
+    new = fx.GraphModule(gm, g)
+    new.graph.lint()
+    return new, len(names), len(wrapped)

@@ -1,0 +1,67 @@
+"""Each repeated layer compiled once (``passes/regions.py``): the graphs Inductor compiles call
+one subgraph per distinct layer segment, and train exactly as the flat graphs do."""
+
+import copy
+
+import torch
+
+import autopar
+from autopar.capture import default_loss
+from autopar.passes.regions import wrap_layers
+from tests.dist_harness import batch
+
+
+def _step(pm, ids, tgt):
+    loss = pm.step(ids, target=tgt)
+    return float(loss), {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+
+
+def test_layers_are_calls_of_one_subgraph_and_train_as_the_model_does():
+    from tests import zoo
+
+    torch.manual_seed(0)
+    ref = zoo.build("hf-llama", num_hidden_layers=4)
+    ids, tgt = batch(1)
+    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8)
+    n_layers = ref.config.num_hidden_layers
+    notes = pm.info.notes["regions"]
+    assert f"fw: {n_layers} layer segments as calls of 1 compiled subgraphs" in notes, notes
+    # The backward: the bottom layer (its gradient goes to the embedding) differs from the others
+    # and, occurring once, stays inline.
+    assert f"bw: {n_layers - 1} layer segments as calls of 1 compiled subgraphs" in notes, notes
+    fw = pm._step_runner.compiled.fw_graph  # the flat graph: what memory.py walks
+    assert not any(n.target is torch.ops.higher_order.invoke_subgraph for n in fw.graph.nodes)
+
+    loss, grads = _step(pm, ids, tgt)
+    want = default_loss(ref(ids), tgt)
+    want.backward()
+    assert abs(loss - float(want)) <= 1e-5 * abs(float(want))
+    ref_grads = dict(ref.named_parameters())
+    assert set(grads) == {n for n, p in ref.named_parameters()}
+    for name, g in grads.items():
+        r = ref_grads[name].grad
+        assert torch.allclose(g, r, rtol=1e-4, atol=1e-6 * float(r.abs().max())), name
+
+
+def test_a_layer_that_reads_itself_through_the_outer_graph_is_left_inline():
+    """A segment must not read a value the outer graph made from it (there a collective sits
+    between two halves of a layer): the layer is cut there into two segments."""
+    g = torch.fx.Graph()
+    xs = [g.placeholder(f"w{i}") for i in range(2)]
+    h = g.placeholder("h")
+    for i, w in enumerate(xs):
+        a = g.call_function(torch.ops.aten.mul.Tensor, (h, w))
+        a.meta["custom"] = {"layer": i}
+        out = g.call_function(torch.ops.aten.neg.default, (a,))  # outside the layer: no annotation
+        out.meta["custom"] = {"module": "between"}
+        b = g.call_function(torch.ops.aten.add.Tensor, (out, w))
+        b.meta["custom"] = {"layer": i}
+        h = b
+    g.output((h,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    for n in gm.graph.nodes:
+        n.meta["val"] = torch.empty(2)
+    new, kinds, calls = wrap_layers(gm, 2, set())
+    assert (kinds, calls) == (2, 4)  # mul and add of each layer: two kinds, called twice each
+    x = [torch.randn(2) for _ in range(3)]
+    assert torch.equal(new(*x)[0], gm(*x)[0])
