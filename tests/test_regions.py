@@ -1,5 +1,6 @@
-"""Each repeated layer compiled once (``passes/regions.py``): the graphs Inductor compiles call
-one subgraph per distinct layer segment, and train exactly as the flat graphs do."""
+"""Each repeated layer compiled once (``passes/regions.py``, ``enable_passes=("regions",)``): the
+graphs Inductor compiles call one subgraph per distinct layer segment, and train exactly as the
+flat graphs do."""
 
 import copy
 
@@ -22,7 +23,8 @@ def test_layers_are_calls_of_one_subgraph_and_train_as_the_model_does():
     torch.manual_seed(0)
     ref = zoo.build("hf-llama", num_hidden_layers=4)
     ids, tgt = batch(1)
-    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8)
+    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8,
+                         enable_passes=("regions",))
     n_layers = ref.config.num_hidden_layers
     notes = pm.info.notes["regions"]
     assert f"fw: {n_layers} layer segments as calls of 1 compiled subgraphs" in notes, notes

@@ -20,8 +20,9 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
    are complete.
 5. ``zero-bubble split`` (``passes/pp.py``, zero-bubble schedules): the backward graph split
    into its input-gradient and weight-gradient parts.
-6. ``regions`` (``passes/regions.py``): each repeated layer's compute as calls of one shared
-   subgraph per distinct segment, so Inductor compiles each distinct layer once.
+6. ``regions`` (``passes/regions.py``, off by default, ``enable_passes=("regions",)``): each
+   repeated layer's compute as calls of one shared subgraph per distinct segment, so Inductor
+   compiles each distinct layer once.
 
 Then Inductor compiles each graph whole (``backend.compile_step``), keeping the order the passes
 chose; ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for
@@ -60,6 +61,7 @@ class PassContext:
     plan: Plan
     compile: bool = True
     disabled: set = field(default_factory=set)
+    enabled: set = field(default_factory=set)  # passes that are off by default, turned on by name
     timings: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)  # pass name -> lines for explain
     # What the passes need beside the graph (api.StepState: the traced step, where each parameter
@@ -98,7 +100,8 @@ class StepGraphs:
 class Pass:
     """One registered pass: ``fn(value, plan, ctx)`` takes a ``takes`` and returns a ``gives``;
     it runs where ``when(ctx)`` holds (every time without one); ``optional`` ones the user may
-    turn off (``autopar.compile(disable_passes=...)``)."""
+    turn off (``autopar.compile(disable_passes=...)``); one not ``on_by_default`` runs only when
+    the user names it (``enable_passes``)."""
 
     name: str
     takes: type
@@ -106,6 +109,7 @@ class Pass:
     fn: Callable[[Any, Plan, PassContext], Any]
     when: Callable[[PassContext], bool] | None = None
     optional: bool = False
+    on_by_default: bool = True
 
 
 # Options of a pass the user may turn off by name beside the optional passes themselves.
@@ -130,7 +134,9 @@ def step_passes() -> list[Pass]:
         Pass("overlap", StepGraphs, StepGraphs, overlap, when=lambda ctx: ctx.step.dp is not None, optional=True),
         Pass("zero-bubble split", StepGraphs, StepGraphs, split_weight_gradients,
              when=lambda ctx: ctx.step.split_weight is not None),
-        Pass("regions", StepGraphs, StepGraphs, regions, optional=True),
+        # Off by default until the memory walk prices the calls' inputs held to their end and
+        # mixed precision under TP + SP is shown to round as the flat graphs do.
+        Pass("regions", StepGraphs, StepGraphs, regions, optional=True, on_by_default=False),
     ]
 
 
@@ -145,12 +151,23 @@ def check_disabled(names) -> set:
     return names
 
 
+def check_enabled(names) -> set:
+    """``enable_passes`` as a set, refused in words when it names no pass that is off by default."""
+    names = {names} if isinstance(names, str) else set(names)
+    allowed = {p.name for p in step_passes() if not p.on_by_default}
+    bad = sorted(names - allowed)
+    if bad:
+        raise AutoparError(f"enable_passes: {', '.join(map(repr, bad))} is no pass that is off by default; "
+                           f"those are: {', '.join(sorted(allowed)) or 'none'}")
+    return names
+
+
 def run_passes(value: Any, ctx: PassContext, passes: list[Pass]) -> Any:
     """Run ``passes`` in order on ``value``: each checked to take and return what it declares,
     timed into ``ctx.timings``, a failure named with the passes that ran before it."""
     done: list[str] = []
     for p in passes:
-        if p.when is not None and not p.when(ctx):
+        if (p.when is not None and not p.when(ctx)) or (not p.on_by_default and p.name not in ctx.enabled):
             continue
         if p.name in ctx.disabled:
             ctx.note(p.name, "disabled by the user")
