@@ -722,7 +722,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     stages each go through the same passes and backend; parameters of other ranks' stages are
     dropped from the module."""
     from autopar import capture
-    from autopar.passes import Pass, PassContext, run_passes
+    from autopar.passes import PassContext, run_passes, split_passes
     from autopar.passes import pp as pp_mod
     from autopar.passes.tp import placement_str
     from autopar.runtime import CompileInfo, ParallelModule
@@ -731,7 +731,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     sg = capture.trace_step(model, (mb_ids,), name=name, **mixed.trace_kw)
     n_stages = p.pp * p.v
     split_ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled))
-    stages = run_passes(sg, split_ctx, [Pass("pipeline split", capture.StepGraph, list, pp_mod.pipeline_split)])
+    stages = run_passes(sg, split_ctx, split_passes())
     shared = pp_mod.shared_params(stages)
     rank = mesh.get_local_rank("pp")
     mine = [s for s in range(n_stages) if p.stage_rank(s) == rank]
@@ -847,13 +847,13 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     import torch.distributed as dist
 
     from autopar import capture
-    from autopar.passes import check_disabled, check_enabled
+    from autopar.passes import check_pass_names
     from autopar.plan import MESH_DIMS
     from autopar.runtime import ParallelModule
 
     if not isinstance(model, nn.Module):
         raise AutoparError(f"autopar.compile takes an nn.Module, got {type(model).__name__}")
-    disabled, enabled = check_disabled(disable_passes), check_enabled(enable_passes)
+    disabled, enabled = check_pass_names(disable_passes, enable_passes)
     world, device = _mesh_world(mesh)
     from_mesh = mesh_pins(mesh)
     if dist.is_initialized() and world != dist.get_world_size():

@@ -184,7 +184,7 @@ def test_disable_passes_names_what_can_be_turned_off():
     for bad in (("distribute",), ("partition", "bucket"), "overlap_typo"):
         with pytest.raises(AutoparError, match=r"cannot be turned off; what can: ac, bucket, inductor, overlap, regions"):
             autopar.compile(m, 1, example_inputs=(ids,), disable_passes=bad)
-    with pytest.raises(AutoparError, match=r"enable_passes: 'ac' is no pass that is off by default; those are: regions"):
+    with pytest.raises(AutoparError, match=r"enable_passes: 'ac' cannot be turned on; what can: regions"):
         autopar.compile(m, 1, example_inputs=(ids,), enable_passes=("ac",))
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
 

@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.capture import default_loss
-from autopar.passes.regions import wrap_layers
+from autopar.passes.regions import _labels, _layer_dependent, wrap_layers
 from tests.dist_harness import batch
 
 
@@ -45,7 +45,7 @@ def test_layers_are_calls_of_one_subgraph_and_train_as_the_model_does():
         assert torch.allclose(g, r, rtol=1e-4, atol=1e-6 * float(r.abs().max())), name
 
 
-def test_a_layer_that_reads_itself_through_the_outer_graph_is_left_inline():
+def test_a_layer_that_reads_itself_through_the_outer_graph_is_cut_there():
     """A segment must not read a value the outer graph made from it (there a collective sits
     between two halves of a layer): the layer is cut there into two segments."""
     g = torch.fx.Graph()
@@ -63,7 +63,12 @@ def test_a_layer_that_reads_itself_through_the_outer_graph_is_left_inline():
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     for n in gm.graph.nodes:
         n.meta["val"] = torch.empty(2)
-    new, kinds, calls = wrap_layers(gm, 2, set())
+    new, kinds, calls = wrap_layers(gm, _labels(gm, set()), _layer_dependent(gm, 2, set()))
     assert (kinds, calls) == (2, 4)  # mul and add of each layer: two kinds, called twice each
     x = [torch.randn(2) for _ in range(3)]
     assert torch.equal(new(*x)[0], gm(*x)[0])
+    # The same operations in another precision share no subgraph: nothing repeats.
+    for n in gm.graph.nodes:
+        if n.meta.get("custom", {}).get("layer") == 1:
+            n.meta["val"] = torch.empty(2, dtype=torch.float64)
+    assert wrap_layers(gm, _labels(gm, set()), _layer_dependent(gm, 2, set())) is None

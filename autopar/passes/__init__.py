@@ -3,7 +3,7 @@ registered as a ``Pass`` with what it takes and gives; ``run_passes`` runs a lis
 
 The order (``step_passes``; ``api.compile`` runs it on each step graph):
 
-0. ``pipeline split`` (``passes/pp.py``, pipeline plans only, before the others): the step graph
+0. ``pipeline split`` (``split_passes``, ``passes/pp.py``, pipeline plans only): the step graph
    cut into one step graph per pipeline stage; each then goes through the list below.
 1. ``distribute`` (``passes/distribute.py``): replays the single-device forward graph on
    DTensors placed as the plan says (TP/SP per operator from ``passes/tp.py``, FSDP/HSDP/DDP
@@ -112,9 +112,17 @@ class Pass:
     on_by_default: bool = True
 
 
-# Options of a pass the user may turn off by name beside the optional passes themselves.
-SWITCHES = {"bucket": "overlap's merging (one collective per parameter instead of per bucket)",
-            "inductor": "Inductor (the same graphs run eagerly)"}
+# What the user may turn off by name beside the optional passes: overlap's merging into buckets
+# (one collective per parameter instead) and Inductor (the same graphs run eagerly).
+SWITCHES = ("bucket", "inductor")
+
+
+def split_passes() -> list[Pass]:
+    """What a pipeline plan runs first, on the whole step graph: the cut into stage graphs."""
+    from autopar.capture import StepGraph
+    from autopar.passes.pp import pipeline_split
+
+    return [Pass("pipeline split", StepGraph, list, pipeline_split)]
 
 
 def step_passes() -> list[Pass]:
@@ -140,26 +148,21 @@ def step_passes() -> list[Pass]:
     ]
 
 
-def check_disabled(names) -> set:
-    """``disable_passes`` as a set, refused in words when it names what cannot be turned off."""
-    names = {names} if isinstance(names, str) else set(names)
-    allowed = {p.name: "" for p in step_passes() if p.optional} | SWITCHES
-    bad = sorted(names - set(allowed))
-    if bad:
-        raise AutoparError(f"disable_passes: {', '.join(map(repr, bad))} cannot be turned off; what can: "
-                           + ", ".join(sorted(allowed)))
-    return names
-
-
-def check_enabled(names) -> set:
-    """``enable_passes`` as a set, refused in words when it names no pass that is off by default."""
-    names = {names} if isinstance(names, str) else set(names)
-    allowed = {p.name for p in step_passes() if not p.on_by_default}
-    bad = sorted(names - allowed)
-    if bad:
-        raise AutoparError(f"enable_passes: {', '.join(map(repr, bad))} is no pass that is off by default; "
-                           f"those are: {', '.join(sorted(allowed)) or 'none'}")
-    return names
+def check_pass_names(disable, enable) -> tuple[set, set]:
+    """``disable_passes`` and ``enable_passes`` as sets, refused in words when they name what
+    cannot be turned off, or on."""
+    passes = step_passes()
+    can = {"turned off": {p.name for p in passes if p.optional} | set(SWITCHES),
+           "turned on": {p.name for p in passes if not p.on_by_default}}
+    out = []
+    for arg, names, how in (("disable_passes", disable, "turned off"), ("enable_passes", enable, "turned on")):
+        names = {names} if isinstance(names, str) else set(names)
+        bad = sorted(names - can[how])
+        if bad:
+            raise AutoparError(f"{arg}: {', '.join(map(repr, bad))} cannot be {how}; what can: "
+                               f"{', '.join(sorted(can[how])) or 'nothing'}")
+        out.append(names)
+    return out[0], out[1]
 
 
 def run_passes(value: Any, ctx: PassContext, passes: list[Pass]) -> Any:
@@ -175,6 +178,7 @@ def run_passes(value: Any, ctx: PassContext, passes: list[Pass]) -> Any:
         if not isinstance(value, p.takes):
             raise AutoparError(f"pass {p.name!r} takes a {p.takes.__name__}, got {type(value).__name__} "
                                f"(after {', '.join(done) or 'no other pass'})")
+        before = _op_counts(value) if log.isEnabledFor(logging.INFO) else None  # passes may edit in place
         t0 = time.perf_counter()
         try:
             out = p.fn(value, ctx.plan, ctx)
@@ -187,8 +191,8 @@ def run_passes(value: Any, ctx: PassContext, passes: list[Pass]) -> Any:
         if not isinstance(out, p.gives):
             raise AutoparError(f"pass {p.name!r} returned {type(out).__name__}, not a {p.gives.__name__}")
         ctx.timings[p.name] = time.perf_counter() - t0
-        if log.isEnabledFor(logging.INFO):
-            log.info("pass %s: %.2fs, ops %s", p.name, ctx.timings[p.name], _op_diff(value, out))
+        if before is not None:
+            log.info("pass %s: %.2fs, ops %s", p.name, ctx.timings[p.name], _op_diff(before, _op_counts(out)))
         value = out
         done.append(p.name)
     return value
@@ -204,9 +208,11 @@ def _graphs(value: Any) -> list[torch.fx.GraphModule]:
     return []
 
 
-def _op_diff(before: Any, after: Any) -> str:
-    a = sum((count_ops(g) for g in _graphs(before)), Counter())
-    b = sum((count_ops(g) for g in _graphs(after)), Counter())
+def _op_counts(value: Any) -> Counter:
+    return sum((count_ops(g) for g in _graphs(value)), Counter())
+
+
+def _op_diff(a: Counter, b: Counter) -> str:
     diff = {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
     return ", ".join(f"{k} {v:+d}" for k, v in sorted(diff.items())) or "unchanged"
 

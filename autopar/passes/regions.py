@@ -44,12 +44,19 @@ def regions(graphs, plan, ctx):
     ``bw_input_regions``/``bw_weight_regions``) set where a graph has repeated segments."""
     n_params = len(ctx.step.graph.param_names)
     notes = []
-    shared = _shared(graphs.fw, n_params)
+    fw_label = _labels(graphs.fw, set())
+    fw_dep = _layer_dependent(graphs.fw, n_params, set())
+    # The forward's values inside a layer that depend on no parameter: what the layers share (the
+    # backward reads them as saved values under the same names).
+    shared = {n.name for n in fw_label if n not in fw_dep}
     for attr in ("fw", "bw", "bw_input", "bw_weight"):
         gm = getattr(graphs, attr)
         if gm is None or (attr == "bw" and graphs.bw_input is not None):
             continue
-        out = wrap_layers(gm, n_params if attr == "fw" else 0, shared)
+        if attr == "fw":
+            out = wrap_layers(gm, fw_label, fw_dep)
+        else:
+            out = wrap_layers(gm, _labels(gm, shared), _layer_dependent(gm, 0, shared))
         if out is not None:
             wrapped, kinds, calls = out
             setattr(graphs, f"{attr}_regions", wrapped)
@@ -64,21 +71,16 @@ def _layer(n: fx.Node):
 
 
 def _outer(n: fx.Node) -> bool:
-    """Nodes that stay in the outer graph whatever their layer: collectives, their waits, the
-    copies out of a gathered bucket, random draws, and anything that is not a call."""
-    if n.op != "call_function" or n.target is operator.getitem:
-        return n.op != "call_function"
-    t = n.target
-    ns = getattr(t, "namespace", None)
-    return ns in ("_c10d_functional", "autopar") or _draws_random(n) or not isinstance(t, torch._ops.OpOverload)
-
-
-def _shared(fw: fx.GraphModule, n_params: int) -> set[str]:
-    """Names of the forward's values computed inside a layer that depend on no parameter (what
-    the layers share): the backward reads them as saved values under the same names."""
-    label = _labels(fw, set())
-    dep = _layer_dependent(fw, n_params, set())
-    return {n.name for n in label if n not in dep}
+    """Nodes that stay in the outer graph whatever their layer: anything but an ATen call (a
+    tuple's item goes with its tuple: ``wrap_layers``), collectives and their waits, the copies
+    out of a gathered bucket (``autopar::``), random draws."""
+    if n.op != "call_function":
+        return True
+    if n.target is operator.getitem:
+        return False
+    if not isinstance(n.target, torch._ops.OpOverload):
+        return True
+    return n.target.namespace in ("_c10d_functional", "autopar") or _draws_random(n)
 
 
 def _labels(gm: fx.GraphModule, shared: set[str]) -> dict:
@@ -113,50 +115,60 @@ def _layer_dependent(gm: fx.GraphModule, n_params: int, shared: set[str]) -> set
 
 
 def _segments(gm: fx.GraphModule, members: dict) -> list[list[fx.Node]]:
-    """Each layer's member nodes cut into segments that no outer node both reads and feeds."""
-    out = []
-    for layer in sorted(set(members.values())):
-        seg, inside, taint = [], set(), set()
-        for n in gm.graph.nodes:
-            if members.get(n) == layer:
-                if any(a in taint for a in n.all_input_nodes):
-                    out.append(seg)
-                    seg, inside, taint = [], set(), set()
-                seg.append(n)
-                inside.add(n)
-            elif any(a in inside or a in taint for a in n.all_input_nodes):
-                taint.add(n)
-        if seg:
-            out.append(seg)
-    return out
+    """Each layer's member nodes cut into segments that no outer node both reads and feeds, in
+    one walk: ``reads[n]`` holds the open segments ``n`` depends on through a node outside them;
+    a member that reads its own open segment that way starts a new one. A layer's segment closes
+    after the layer's last member, so the sets stay as small as the layers that overlap."""
+    last = {layer: n for n, layer in members.items()}
+    segs: list[list[fx.Node]] = []
+    seg_of: dict = {}
+    open_seg: dict = {}  # layer -> index of its open segment
+    reads: dict = {}
+    for n in gm.graph.nodes:
+        via_outer = set().union(*(reads.get(a, set()) for a in n.all_input_nodes))
+        through = via_outer | {seg_of[a] for a in n.all_input_nodes if a in seg_of}
+        layer = members.get(n)
+        if layer is not None:
+            s = open_seg.get(layer)
+            if s is None or s in via_outer:
+                s = open_seg[layer] = len(segs)
+                segs.append([])
+            segs[s].append(n)
+            seg_of[n] = s
+            through.discard(s)
+            if last[layer] is n:
+                del open_seg[layer]
+        through &= set(open_seg.values())
+        if through:
+            reads[n] = through
+    return segs
 
 
 def _inputs(seg: list[fx.Node]) -> list[fx.Node]:
-    inside, ins = set(seg), []
+    """What a segment reads from outside it, in order of first use."""
+    inside, ins = set(seg), {}
     for n in seg:
         for a in n.all_input_nodes:
-            if a not in inside and a not in ins:
-                ins.append(a)
-    return ins
+            if a not in inside:
+                ins.setdefault(a, None)
+    return list(ins)
 
 
 def _key(seg: list[fx.Node], ins: list[fx.Node]) -> tuple:
     """The segment's operations on its relative inputs (which of its inputs, which of its nodes)."""
     idx = {x: ("in", i) for i, x in enumerate(ins)} | {n: ("n", j) for j, n in enumerate(seg)}
 
-    def shape(v):
-        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+    def shape(v):  # and dtype: two layers in different precisions share no code
+        return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
 
     return tuple((str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda x: idx[x])), shape(n.meta.get("val")))
                  for n in seg) + tuple(shape(a.meta.get("val")) for a in ins)
 
 
-def wrap_layers(gm: fx.GraphModule, n_params: int, shared: set[str]) -> tuple[fx.GraphModule, int, int] | None:
+def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple[fx.GraphModule, int, int] | None:
     """``gm`` rebuilt with each repeated layer segment a call of its kind's subgraph: (graph,
-    kinds, calls), or None when no segment repeats. ``n_params``: its first inputs that are
-    parameters; ``shared``: names of saved values the layers share (``_shared``)."""
-    label = _labels(gm, shared)
-    dep = _layer_dependent(gm, n_params, shared)
+    kinds, calls), or None when no segment repeats. ``label``: each node's layer (``_labels``);
+    ``dep``: the nodes a layer computes of its own (``_layer_dependent``)."""
     members = {}
     for n in gm.graph.nodes:  # in order: an item of an outer node's tuple stays outer with it
         if n in label and n in dep and not _outer(n) and (n.target is not operator.getitem or n.args[0] in members):
