@@ -55,7 +55,8 @@ class Profiled:
 
 def profile_model(
     model: Any, *, seq_len: int | None = None, example_inputs: tuple | None = None,
-    precision: str = "bf16", loss_fn: Callable | None = None, step: capture.StepGraph | None = None,
+    example_target: torch.Tensor | None = None, precision: str = "bf16", loss_fn: Callable | None = None,
+    step: capture.StepGraph | None = None,
 ) -> Profiled:
     """Trace and analyse ``model``: an ``nn.Module``, a preset name, a model source or a factory.
     ``step``: the module's training step already traced at ``example_inputs`` (what the executor
@@ -84,21 +85,24 @@ def profile_model(
         raise AutoparError(f"cannot plan a {type(model).__name__}: give an nn.Module, a preset name or a factory")
     batch = 1
     if example_inputs is not None:
-        first = example_inputs[0]
-        if not isinstance(first, torch.Tensor) or first.dim() < 2:
-            raise AutoparError("example_inputs[0] must be a (batch, seq) tensor of token ids")
-        batch, seq_len = int(first.shape[0]), int(first.shape[1])
-    if not seq_len:
+        example_inputs = check_example_inputs(example_inputs, example_target)
+        batch = int(example_inputs[0].shape[0])
+        # token ids: their sequence; other inputs: found in the trace (the layers' tokens per sample)
+        seq_len = int(example_inputs[0].shape[1]) if capture.is_token_ids(example_inputs[0]) else None
+    elif not seq_len:
         raise AutoparError(f"the sequence length of {name} is unknown: pass seq_len (--seq-len)")
     dtype = getattr(torch, precision_of(precision).compute)  # what the step computes in
     key = _profile_key(model, batch, seq_len, dtype) if example_inputs is None and loss_fn is None else None
     prof = _profile_cache_get(key)
     if prof is None and step is not None:
+        if seq_len is None:
+            seq_len, vocab = capture.sample_tokens(step, batch, vocab)
         prof = analysis.analyze(cut.for_analysis(step, build, name=name, batch=batch, seq_len=seq_len, dtype=dtype,
                                                     vocab_size=vocab, t0=t0))
     elif prof is None:
         tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
-                                 loss_fn=loss_fn, name=name, example_inputs=example_inputs)
+                                 loss_fn=loss_fn, name=name, example_inputs=example_inputs,
+                                 example_target=example_target)
         prof = analysis.analyze(tr)
         _profile_cache_put(key, prof)
     if not prof.blocks:
@@ -109,6 +113,30 @@ def profile_model(
     return Profiled(prof, name, time.perf_counter() - t0, notes)
 
 
+def check_example_inputs(example_inputs: Any, example_target: torch.Tensor | None = None) -> tuple:
+    """The inputs of the model's forward for one batch (token ids, images, latents, masks,
+    timesteps), as a tuple of tensors whose first dimension is the batch; the target's too."""
+    if not isinstance(example_inputs, tuple) or not example_inputs or not all(
+            isinstance(x, torch.Tensor) for x in example_inputs):
+        raise AutoparError("example_inputs must be a tuple of the tensors the model's forward takes, batch first "
+                           "(e.g. (token_ids,) or (images,)); got "
+                           f"{type(example_inputs).__name__}")
+    first = example_inputs[0]
+    if first.dim() == 0:
+        raise AutoparError("example_inputs[0] is a scalar: every input is batch first")
+    named = [(f"example_inputs[{i}]", x) for i, x in enumerate(example_inputs)]
+    if example_target is not None:
+        if not isinstance(example_target, torch.Tensor):
+            raise AutoparError(f"example_target must be a tensor, got {type(example_target).__name__}")
+        named.append(("example_target", example_target))
+    for what, x in named:
+        if x.dim() == 0 or x.shape[0] != first.shape[0]:
+            raise AutoparError(f"{what} has shape {tuple(x.shape)}, but every input and the target are batch first: "
+                               f"its first dimension must be the batch of example_inputs[0], {first.shape[0]}")
+    if first.dtype in (torch.int64, torch.int32) and first.dim() != 2:
+        raise AutoparError(f"example_inputs[0] holds integers of shape {tuple(first.shape)}: token ids are a 2-D "
+                           "integer tensor (batch, seq)")
+    return example_inputs
 
 
 def _profile_key(model: Any, batch: int, seq_len: int, dtype: torch.dtype) -> str | None:
@@ -668,7 +696,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     and pass times go into ``info`` (a ``runtime.CompileInfo``) under ``key``."""
     from autopar import backend
     from autopar.passes import PassContext, run_passes, step_passes
-    from autopar.passes.distribute import grad_inputs, output_values
+    from autopar.passes.distribute import grad_inputs, grad_outputs, output_values
     from autopar.passes.overlap import DPCollectives
     from autopar.runtime import StepRunner
 
@@ -692,7 +720,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
         info.notes.update({prefix + k: v for k, v in ctx.notes.items()})
         info.timings.update({prefix + k: v for k, v in {**ctx.timings, "inductor": compiled.compile_s}.items()})
     n_args = len(params) + len(buffers) + len(inputs)
-    return StepRunner(compiled, len(params), n_args, grad_index, [tuple(x.shape) for x in inputs])
+    return StepRunner(compiled, len(params), n_args, grad_index, grad_outputs(sg), [tuple(x.shape) for x in inputs])
 
 
 def _collective_records(compiled, mesh) -> list[dict]:
@@ -716,7 +744,8 @@ def _collective_records(compiled, mesh) -> list[dict]:
     return recs
 
 
-def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_fn: Callable, name: str, *,
+def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: torch.Tensor, loss_fn: Callable,
+                      name: str, *,
                       inductor: bool, disabled: set, enabled: set, mixed: RunPrecision):
     """Pipeline plans: the forward graph cut into stage graphs (``passes/pp.py``); this rank's
     stages each go through the same passes and backend; parameters of other ranks' stages are
@@ -727,8 +756,8 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
     from autopar.passes.tp import placement_str
     from autopar.runtime import CompileInfo, ParallelModule
 
-    mb_ids = ids[: p.mb]
-    sg = capture.trace_step(model, (mb_ids,), name=name, **mixed.trace_kw)
+    mb_inputs = [x[: p.mb] for x in inputs]
+    sg = capture.trace_step(model, tuple(mb_inputs), name=name, **mixed.trace_kw)
     n_stages = p.pp * p.v
     split_ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled))
     stages = run_passes(sg, split_ctx, split_passes())
@@ -741,7 +770,8 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
             for n in [pname, *sg.aliases.get(pname, [])]:
                 owner, _, attr = n.rpartition(".")
                 (model.get_submodule(owner) if owner else model)._parameters[attr] = None
-    runners, placements, notes, info = {}, [], [], CompileInfo(sorted(keep))
+    runners, placements, notes = {}, [], []
+    info = CompileInfo(sorted(keep), inputs=[*mb_inputs, target[: p.mb]])
     info.timings.update(split_ctx.timings)
     layouts = {s: _layout(stages[s], p, mesh, mixed) for s in set(mine) | {s for ss in shared.values() for s in ss}}
     for pname, ss in shared.items():
@@ -761,11 +791,14 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, ids: torch.Tensor, loss_f
                        for i, n in enumerate(st.param_names)]
         notes += list(rules.notes if rules else ())
         locals_ = _distribute_parameters(model, st, lay)
+        # A stage's inputs: what the stage before sends (activations, which carry gradients), then
+        # the model's inputs (which do not).
         phs = st.placeholders()[st.n_params + len(st.buffer_names):]
-        inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype, device=mb_ids.device).requires_grad_(
-            ph.meta["val"].is_floating_point()) if i < len(phs) - 1 else mb_ids for i, ph in enumerate(phs)]
+        n_sent = len(phs) - len(mb_inputs)
+        st_inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype, device=mb_inputs[0].device
+                                 ).requires_grad_(ph.meta["val"].is_floating_point()) for ph in phs[:n_sent]]
         runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
-                                        disabled=disabled, enabled=enabled, inputs=inputs, info=info,
+                                        disabled=disabled, enabled=enabled, inputs=st_inputs + mb_inputs, info=info,
                                         key=f"stage {s}"))
     p = dataclasses.replace(p, placements=tuple(placements), tp_notes=tuple(notes))
     return ParallelModule(model, p, mesh, step_runner=None, forward_factory=None, loss_fn=loss_fn, info=info,
@@ -806,8 +839,8 @@ def _tied_groups(shared: dict, p: Plan, mesh, rank: int) -> list[tuple[str, Any,
 
 
 def compile(
-    model: nn.Module, mesh: Any, *, example_inputs: tuple, loss_fn: Callable | None = None,
-    plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
+    model: nn.Module, mesh: Any, *, example_inputs: tuple, example_target: torch.Tensor | None = None,
+    loss_fn: Callable | None = None, plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
     memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (), enable_passes: tuple = (),
     tune: bool = False, tune_top: int = 4, tune_steps: int = 2, tune_db: str | None = None,
     mp_policy: Any = None,
@@ -832,7 +865,8 @@ def compile(
 
     t0 = time.perf_counter()
     with guarded("autopar.compile"):
-        pm = _compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, hardware=hardware,
+        pm = _compile(model, mesh, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn,
+                      plan=plan, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
                       disable_passes=disable_passes, enable_passes=enable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
                       tune_db=tune_db, mp_policy=mp_policy)
@@ -840,7 +874,7 @@ def compile(
     return pm
 
 
-def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_batch, memory_limit_gb, compile,
+def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hardware, global_batch, memory_limit_gb, compile,
              disable_passes, enable_passes, tune, tune_top, tune_steps, tune_db, mp_policy):
     import copy
 
@@ -861,35 +895,33 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
                            "pass a mesh over the whole world")
     if not dist.is_initialized() and world != 1:
         raise AutoparError(f"a world of {world} needs torch.distributed initialised (torchrun, or autopar.runtime.init_distributed())")
-    if not isinstance(example_inputs, tuple) or not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
-        raise AutoparError("example_inputs must be a tuple whose first item is a (batch, seq) tensor of token ids")
-    ids = example_inputs[0]
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise AutoparError(f"example_inputs[0] must be a 2-D integer tensor of token ids (batch, seq); got {ids.dtype} {tuple(ids.shape)}")
+    example_inputs = check_example_inputs(example_inputs, example_target)
     traceable.check_routed_experts(model)  # before the fixed-shape experts form trains anything
     if device == "cuda":
         # Traced where it runs: the device arguments the model's code records (an ``arange`` on
         # the ids' device, a mask built on the weights') are this rank's GPU in every graph.
         gpu = torch.device("cuda", torch.cuda.current_device())
         model.to(gpu)
-        ids = ids.to(gpu)
-        example_inputs = (ids, *example_inputs[1:])
+        example_inputs = tuple(x.to(gpu) for x in example_inputs)
+        example_target = example_target.to(gpu) if example_target is not None else None
     # One capture: the training step is traced once; the planner analyses this graph and, when the
     # plan runs the whole batch at once, the executor runs it.
+    target = example_target if example_target is not None else capture.default_target(model, example_inputs, loss_fn)
     loss_fn = loss_fn or capture.default_loss
     plan = _loaded(plan)  # a plan file read once: its precision decides how the step is traced
     mixed = run_precision(model, mp_policy, plan)
-    step = capture.trace_step(model, (ids,), target=torch.zeros_like(ids), loss_fn=loss_fn, name=type(model).__name__,
+    step = capture.trace_step(model, example_inputs, target=target, loss_fn=loss_fn, name=type(model).__name__,
                               **mixed.trace_kw)
     prof = profile_model(model, example_inputs=example_inputs, precision=mixed.precision, loss_fn=loss_fn,
                          step=step)
+    batch = int(example_inputs[0].shape[0])
     tuning = None
     if tune:
         from autopar import tune as tune_mod
 
         hw = hardware or ("cpu-gloo" if device == "cpu" else "h100")
         cands = plan_candidates(model, world, k=tune_top, example_inputs=example_inputs, hardware=hw,
-                                global_batch=global_batch or int(ids.shape[0]), memory_limit_gb=memory_limit_gb,
+                                global_batch=global_batch or batch, memory_limit_gb=memory_limit_gb,
                                 pin=plan if isinstance(plan, dict) else None, loss_fn=loss_fn, profiled=prof,
                                 precision=mixed.precision)
         db = tune_mod.MeasurementDB(tune_db) if (not dist.is_initialized() or dist.get_rank() == 0) else None
@@ -901,22 +933,23 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device,
                       precision=mixed.precision)
-    if p.seq_len != ids.shape[1]:
-        raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have {ids.shape[1]}")
+    if p.seq_len != prof.profile.seq_len:
+        raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have "
+                                f"{prof.profile.seq_len}")
     dmesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
     if p.pp > 1:
-        pm = _compile_pipeline(model, p, dmesh, ids, loss_fn, prof.source_name, inductor=compile,
+        pm = _compile_pipeline(model, p, dmesh, example_inputs, target, loss_fn, prof.source_name, inductor=compile,
                                disabled=disabled, enabled=enabled, mixed=mixed)
         pm.tuning = tuning
         return pm
-    mb_ids = ids[: p.mb]
-    mb_tgt = torch.zeros_like(mb_ids)
-    sg = step if p.mb == ids.shape[0] else capture.trace_step(model, (mb_ids,), target=mb_tgt, loss_fn=loss_fn,
-                                                                name=prof.source_name, **mixed.trace_kw)
+    mb_inputs = [x[: p.mb] for x in example_inputs]
+    mb_tgt = target[: p.mb]
+    sg = step if p.mb == batch else capture.trace_step(model, tuple(mb_inputs), target=mb_tgt, loss_fn=loss_fn,
+                                                       name=prof.source_name, **mixed.trace_kw)
     lay, rules = _layout(sg, p, dmesh, mixed)
     from autopar.passes.tp import placement_str
 
@@ -926,7 +959,7 @@ def _compile(model, mesh, *, example_inputs, loss_fn, plan, hardware, global_bat
     locals_ = _distribute_parameters(model, sg, lay)
     from autopar.runtime import CompileInfo
 
-    info = CompileInfo(sg.param_names, inputs=[mb_ids, mb_tgt], buffers=[model.get_buffer(n) for n in sg.buffer_names])
+    info = CompileInfo(sg.param_names, inputs=[*mb_inputs, mb_tgt], buffers=[model.get_buffer(n) for n in sg.buffer_names])
     step_runner = _build_runner(sg, p, dmesh, lay, rules, locals_, model, inductor=compile,
                                 disabled=disabled, enabled=enabled, inputs=info.inputs, info=info, key="step")
 

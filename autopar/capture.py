@@ -24,6 +24,7 @@ over ATen graphs every stage shares (op names and sets, FLOPs, tied parameters) 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import traceback
@@ -36,7 +37,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.errors import TraceError
+from autopar.errors import AutoparError, TraceError
 from autopar.fxops import first_by_storage, unique_parameters
 from autopar.traceable import data_dependent, with_export_path_fallback
 
@@ -46,26 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def layer_signature(m: nn.Module) -> str:
     shapes = ",".join(f"{n}:{tuple(p.shape)}" for n, p in m.named_parameters())
     return f"{type(m).__name__}[{shapes}]"
-
-
 
 
 def vocab_size_of(model: nn.Module, given: int | None) -> int:
@@ -73,8 +57,6 @@ def vocab_size_of(model: nn.Module, given: int | None) -> int:
     if given is not None:
         return given
     return max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=256)
-
-
 
 
 def logits_of(out: Any) -> torch.Tensor:
@@ -85,12 +67,76 @@ def logits_of(out: Any) -> torch.Tensor:
         return out.logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
+    if hasattr(out, "to_tuple") and out.to_tuple() and isinstance(out.to_tuple()[0], torch.Tensor):
+        return out.to_tuple()[0]  # another library's output record (diffusers' ``sample``)
     raise TraceError(f"cannot find logits in the model output of type {type(out).__name__}")
 
 
 def default_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     logits = logits_of(out)
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+
+def is_token_ids(t: Any) -> bool:
+    """A (batch, seq) integer tensor: what a language model takes."""
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in (torch.int64, torch.int32)
+
+
+def output_logits(model: nn.Module, inputs: tuple) -> torch.Tensor:
+    """The logits ``model`` returns for ``inputs``, as a fake tensor: a forward on fake tensors
+    (shapes only, nothing computed, the model's own tensors untouched)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = detect_fake_mode([*model.parameters(), *inputs]) or FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+                  for x in inputs)
+    try:
+        with mode, torch.no_grad():
+            return logits_of(model(*fakes))
+    except TraceError:
+        raise
+    except Exception as e:
+        raise _trace_error(e, f"the forward of {type(model).__name__}") from e
+
+
+def default_target(model: nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> torch.Tensor:
+    """An example target of the loss, for tracing: for token ids, ids (next-token labels); for
+    other inputs (images, latents), class indices of the logits' leading shape, what
+    ``default_loss`` reads. A loss of the user's own needs its target given."""
+    first = inputs[0]
+    if is_token_ids(first):
+        return torch.zeros_like(first)
+    if loss_fn is not None and loss_fn is not default_loss:
+        raise AutoparError(
+            f"the model takes {first.dtype} inputs of shape {tuple(first.shape)}, not token ids, and the loss is "
+            "your own: autopar cannot tell what target it expects. Pass example_target= (one batch's target, "
+            "e.g. the noise a diffusion model predicts, or the class labels)")
+    return torch.zeros(output_logits(model, inputs).shape[:-1], dtype=torch.long, device=first.device)
+
+
+def sample_tokens(sg: StepGraph, batch: int, vocab_size: int | None = None) -> tuple[int, int]:
+    """For a model not fed token ids (images, latents): its sequence, the tokens per sample where
+    the repeated layers run (the hidden state entering the first layer is (batch, tokens...,
+    features): a ViT's patches and class token, a DiT's latent patches), and its "vocabulary",
+    the logits' last dimension (classes, or features per patch), what a TP head splits."""
+    params = set(sg.placeholders()[: sg.n_params])
+    seq_len = None
+    for n in sg.gm.graph.nodes:
+        if seq_len is not None or n.meta.get("custom", {}).get("layer") != 0:
+            continue
+        for a in n.all_input_nodes:
+            v = a.meta.get("val")
+            if (a not in params and a.meta.get("custom", {}).get("layer") is None and isinstance(v, torch.Tensor)
+                    and v.is_floating_point() and v.dim() >= 3 and v.shape[0] == batch):
+                seq_len = math.prod(v.shape[1:-1])
+                break
+    if seq_len is None:
+        raise TraceError("cannot find the model's sequence: no (batch, tokens, features) hidden state enters its "
+                         "first repeated layer")
+    if vocab_size is None:
+        vocab_size = sg.logits_shape[-1] if sg.logits_shape else 1
+    return seq_len, vocab_size
 
 
 def _trace_error(e: Exception, what: str, advice: str | None = None) -> TraceError:
@@ -107,6 +153,9 @@ def _trace_error(e: Exception, what: str, advice: str | None = None) -> TraceErr
                   "which autopar's fake-tensor trace cannot follow, and autopar has no traceable form of this "
                   f"{library} module yet. Nothing to change in your model; a model whose modules autopar knows "
                   "(see the README's families) or a factory returning a traceable equivalent plans today.")
+    elif advice is None and "'indices'" in str(e) and "Long, Int" in str(e):
+        advice = ("An embedding lookup got non-integer indices: the model takes token ids, so its input must "
+                  "be a 2-D integer tensor of token ids (batch, seq), a LongTensor.")
     elif advice is None and data_dependent(e):
         advice = (
             "autopar traces the model on fake tensors, where values are unknown: Python control flow "
@@ -125,14 +174,16 @@ def trace_model(
     build_or_model: Callable[[], nn.Module] | nn.Module,
     *,
     batch: int,
-    seq_len: int,
+    seq_len: int | None,
     vocab_size: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     loss_fn: Callable | None = None,
     name: str = "model",
     example_inputs: tuple | None = None,
+    example_target: torch.Tensor | None = None,
 ) -> ModelTrace:
-    """Trace ``build_or_model`` on fake tensors at (batch, seq_len) token inputs."""
+    """Trace ``build_or_model`` on fake tensors at (batch, seq_len) token inputs, or at
+    ``example_inputs`` (then the sequence is the tokens per sample where the layers run)."""
     t0 = time.perf_counter()
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -156,12 +207,11 @@ def trace_model(
     # Tracing runs the model's Python code; an in-place update of a real buffer (a counter)
     # would happen for real: keep their values and put them back.
     kept = [(b, b.detach().clone()) for b in model.buffers() if not isinstance(b, FakeTensor) and b.device.type != "meta"]
-    vocab_size = vocab_size_of(model, vocab_size)
     if example_inputs is None:
-        inputs: tuple = (torch.randint(0, vocab_size, (batch, seq_len)),)
+        inputs: tuple = (torch.randint(0, vocab_size_of(model, vocab_size), (batch, seq_len)),)
     else:
         inputs = tuple(example_inputs)
-    target = torch.randint(0, vocab_size, tuple(inputs[0].shape[:2]))
+    target = example_target if example_target is not None else default_target(model, inputs, loss_fn)
     try:
         sg = trace_step(model, inputs, target=target, loss_fn=loss_fn, name=name, first_layers_only=True,
                         target_kernels=True, param_dtype=dtype if dtype.is_floating_point else None)
@@ -169,46 +219,14 @@ def trace_model(
         with torch.no_grad():
             for b, v in kept:
                 b.copy_(v)
+    if is_token_ids(inputs[0]):
+        vocab_size = vocab_size_of(model, vocab_size)
+    else:
+        seq_len, vocab_size = sample_tokens(sg, batch, vocab_size)
     from autopar.cut import for_analysis
 
     return for_analysis(sg, model, name=name, batch=batch, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size,
                        t0=t0)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +286,9 @@ class StepGraph:
     layers: list[str]
     input_shapes: list[tuple[int, ...]]
     output_type: Any = None  # the model output's class when it is not a tensor (HF ModelOutput)
+    logits_shape: tuple[int, ...] | None = None  # the model's logits (what the loss reads), when found
     final: bool = True  # its outputs are the model's (False for all but the last pipeline stage)
+    n_received: int = 0  # a pipeline stage's first inputs, the activations the stage before sends
     # What autograd saves for backward, in order: (the first node holding the saved storage, the
     # layer whose forward saved it or None outside the layers, whether a layer had started).
     saved: list[tuple[str, int | None, bool]] = field(default_factory=list)
@@ -349,8 +369,8 @@ def trace_step(
     only the first of the repeated layers; the others pass its output on, which has the right
     shape for everything after them, and have no placeholders for their parameters and buffers.
     ``target_kernels`` prices what the target GPU runs rather than this host (``_TargetKernels``).
-    ``param_dtype``: the floating-point parameters enter in this dtype (mixed precision: the
-    forward as FSDP2 runs it, on parameters cast to the compute dtype; buffers keep theirs);
+    ``param_dtype``: the floating-point parameters and inputs enter in this dtype (mixed precision:
+    the forward as FSDP2 runs it, on parameters and inputs cast to the compute dtype; buffers keep theirs);
     ``output_dtype``: the model's floating-point outputs are cast to it (FSDP2's ``output_dtype``)."""
     layers = find_layers(model)
     unused = tuple(f"{layer}." for layer in _repeats(model, layers)) if first_layers_only else ()
@@ -400,12 +420,18 @@ def trace_step(
             distinct[name] = first
 
     def step(ps, bs, xs, *tgt):
+        if param_dtype is not None:  # floating-point inputs enter in the compute dtype (FSDP2's cast_forward_inputs)
+            xs = [x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in xs]
         held = {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}
         state = {name: held[first] for name, first in distinct.items()}
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, state, tuple(xs), tie_weights=False)
             if output_dtype is not None:
                 out = _cast_outputs(out, output_dtype)
+            try:
+                box["logits"] = tuple(logits_of(out).shape)
+            except TraceError:
+                pass  # a loss of the user's own reads what it reads
             if tgt:
                 return (loss_fn or default_loss)(out, tgt[0])
         if not isinstance(out, torch.Tensor):
@@ -455,7 +481,7 @@ def trace_step(
             saved.append((holder[ref], layer, entered))
     out_type = box.get("type")
     return StepGraph(gm, pnames, aliases, bnames, len(inputs), target is not None, layers,
-                     [tuple(x.shape) for x in inputs], out_type, saved=saved)
+                     [tuple(x.shape) for x in inputs], out_type, box.get("logits"), saved=saved)
 
 
 def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:
@@ -501,7 +527,5 @@ def _pass_on_repeats(model: nn.Module, layers: list[str]) -> list[Callable[[], N
         m.forward = lambda *a, **k: last["out"]
         undo.append(lambda m=m, own=own: m.__dict__.pop("forward") if own is None else setattr(m, "forward", own))
     return undo
-
-
 
 

@@ -8,7 +8,7 @@ graphs (``backend.CompiledStep``) through one ``autograd.Function``: the forward
 local tensors, the backward graph when autograd asks for gradients, which arrive as DTensors
 with the parameters' placements, already reduced and averaged over data parallelism.
 
-``step(ids, target)`` runs forward and backward of one global batch: every rank passes the same
+``step(inputs, target)`` runs forward and backward of one global batch: every rank passes the same
 global batch; each data-parallel rank takes its slice, splits it into the plan's microbatches
 and accumulates gradients (each microbatch's loss scaled by 1/M, so the gradient is that of the
 mean loss, as in one process). ``pm(x)`` takes this rank's data-parallel slice, like DDP or FSDP.
@@ -309,14 +309,14 @@ class _RunGraphs(torch.autograd.Function):
         if runner.compiled.bw_weight is not None:
             ctx.params = args[:runner.n_params]  # the weight-gradient part accumulates into them
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in result]
-        ctx.mark_non_differentiable(*[o for o in result if not o.is_floating_point()])
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(result) if i not in runner.grad_outputs])
         return result
 
     @staticmethod
     def backward(ctx, *grads):
         runner = ctx.runner
-        tangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                    for g, (shape, dtype, device) in zip(grads, ctx.out_meta) if dtype.is_floating_point]
+        tangents = [grads[i] if grads[i] is not None else torch.zeros(shape, dtype=dtype, device=device)
+                    for i, (shape, dtype, device) in enumerate(ctx.out_meta) if i in runner.grad_outputs]
         c = runner.compiled
         # The only references to the saved values are in ``args``, which the boxed graph empties:
         # each is freed at its last use in the backward.
@@ -409,11 +409,13 @@ def _as_expected(values: list, strides: list) -> list:
 
 class StepRunner:
     """One compiled step graph: the loss (``step``), the logits (``forward``), or a pipeline
-    stage's outputs. ``grad_index``: the argument positions that receive gradients."""
+    stage's outputs. ``grad_index``: the argument positions that receive gradients;
+    ``grad_outputs``: the output positions gradients come back to."""
 
-    def __init__(self, compiled, n_params: int, n_args: int, grad_index: list[int], input_shapes: list):
+    def __init__(self, compiled, n_params: int, n_args: int, grad_index: list[int], grad_outputs: list[int],
+                 input_shapes: list):
         self.compiled, self.n_params, self.n_args = compiled, n_params, n_args
-        self.grad_index, self.input_shapes = grad_index, input_shapes
+        self.grad_index, self.grad_outputs, self.input_shapes = grad_index, set(grad_outputs), input_shapes
         self.pending: list[_WeightGrads] = []  # zero-bubble: weight gradients not yet run
         self.busy_s = 0.0  # time inside the compiled graphs (the bench's measured bubble)
 
@@ -433,12 +435,15 @@ class _StageModule(nn.Module):
         super().__init__()
         object.__setattr__(self, "_pm", pm)
         self._sg, self._runner = sg, runner
-        phs = sg.placeholders()
-        self.input_meta = [(tuple(ph.meta["val"].shape), ph.meta["val"].dtype)
-                           for ph in phs[sg.n_params + len(sg.buffer_names):]]
+        # (shape, dtype, carries a gradient): activations sent between stages do; the model's own
+        # inputs, which travel along with them (token ids, images), do not.
+        phs = sg.placeholders()[sg.n_params + len(sg.buffer_names):]
+        self.input_meta = [(tuple(ph.meta["val"].shape), ph.meta["val"].dtype,
+                            ph.meta["val"].is_floating_point() and i < sg.n_received) for i, ph in enumerate(phs)]
         from autopar.passes.distribute import output_values
 
-        self.output_meta = [(tuple(v.shape), v.dtype) for v in output_values(sg)]
+        self.output_meta = [(tuple(v.shape), v.dtype, i in runner.grad_outputs)
+                            for i, v in enumerate(output_values(sg))]
 
     def forward(self, *inputs):
         pm = self._pm
@@ -465,6 +470,11 @@ class CompileInfo:
     timings: dict[str, float] = field(default_factory=dict)
     tied: list = field(default_factory=list)
     compile_s: float | None = None
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "float" if t.is_floating_point() else "int" if t.dtype not in (torch.bool, torch.complex64,
+                                                                           torch.complex128) else str(t.dtype)
 
 
 class ParallelModule(nn.Module):
@@ -535,14 +545,16 @@ class ParallelModule(nn.Module):
         return text
 
     # -- training ----------------------------------------------------------------------------
-    def step(self, ids: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor | tuple, target: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one global batch; returns the mean loss (same on every rank).
+        ``inputs``: the model's input (token ids, images) or a tuple of its inputs, batch first, as
+        at compile; ``target``: what the loss compares the output with (labels), batch first.
 
         The loss all-reduce is waited for inside (a stream wait on GPUs, not a host sync), so
         a failure on another rank surfaces here. An exception on any rank stops every rank (see
         ``FailureWatch``)."""
         with guarded("step()"):
-            return self._step(ids, target)
+            return self._step(inputs if isinstance(inputs, tuple) else (inputs,), target)
 
     def _compute_device(self) -> torch.device:
         """Where this rank computes: its GPU on a CUDA mesh, else where its parameters are."""
@@ -550,49 +562,62 @@ class ParallelModule(nn.Module):
             return torch.device("cuda", torch.cuda.current_device())
         return next((getattr(p, "_local_tensor", p).device for p in self.parameters()), torch.device("cpu"))
 
-    def _check_inputs(self, ids, target) -> None:
+    def _check_inputs(self, inputs: tuple, target) -> None:
+        """``inputs`` and ``target`` against the microbatch the step was compiled for: the same
+        number of tensors, each of the same kind (integer or floating point) and per-sample shape."""
         if target is None:
             raise AutoparError("step() needs target= (the labels for the loss)")
-        for what, t in (("ids", ids), ("target", target)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2:
-                raise AutoparError(f"step() takes {what} as a (batch, seq) tensor, got "
-                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-                raise AutoparError(f"step() takes {what} as integer token ids, got {t.dtype}; pass a LongTensor")
-        if target.shape != ids.shape:
-            raise AutoparError(f"target has shape {tuple(target.shape)}, ids {tuple(ids.shape)}: they must match")
+        *want, want_tgt = self.info.inputs
+        tokens = len(want) == 1 and want[0].dim() == 2 and not want[0].is_floating_point()
+        if len(inputs) != len(want):
+            raise AutoparError(f"step() got {len(inputs)} input(s), the step was compiled for {len(want)}")
+        named = [("ids" if tokens else f"inputs[{i}]", x, w) for i, (x, w) in enumerate(zip(inputs, want))]
+        for what, t, w in named + [("target", target, want_tgt)]:
+            if not isinstance(t, torch.Tensor) or t.dim() != w.dim():
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                axes = "(batch, seq)" if tokens else f"{w.dim()}-D (batch first)"
+                raise AutoparError(f"step() takes {what} as a {axes} tensor, got {shape}")
+            if _kind(t) != _kind(w):
+                kind = {"int": "integer token ids" if tokens else "integers", "float": "floating point"}[_kind(w)]
+                fix = "; pass a LongTensor" if _kind(w) == "int" else ""
+                raise AutoparError(f"step() takes {what} as {kind}, got {t.dtype}{fix}")
+        if tokens and target.shape != inputs[0].shape:
+            raise AutoparError(f"target has shape {tuple(target.shape)}, ids {tuple(inputs[0].shape)}: they must match")
+        if any(t.shape[0] != inputs[0].shape[0] for t in (*inputs, target)):
+            raise AutoparError(f"step() got inputs and target of batches {[t.shape[0] for t in (*inputs, target)]}: "
+                               "every one is batch first, over the same batch")
         dev = self._compute_device().type
-        if ids.device.type != dev or target.device.type != dev:
-            raise AutoparError(f"step() got ids on {ids.device} and target on {target.device}, but the model runs on "
-                               f"{dev}: move the batch there first")
+        if any(t.device.type != dev for t in (*inputs, target)):
+            raise AutoparError(f"step() got {named[0][0]} on {inputs[0].device} and target on {target.device}, but the "
+                               f"model runs on {dev}: move the batch there first")
 
-    def _step(self, ids: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    def _step(self, inputs: tuple, target: torch.Tensor | None) -> torch.Tensor:
         plan = self.plan
-        self._check_inputs(ids, target)
-        B = ids.shape[0]
+        self._check_inputs(inputs, target)
+        B = inputs[0].shape[0]
         if B % (plan.dp * plan.mb):
             raise AutoparError(
                 f"a batch of {B} sequences cannot be split over dp={plan.dp} ranks into microbatches "
                 f"of {plan.mb}; use a multiple of {plan.dp * plan.mb}"
             )
+        for t, w in zip((*inputs, target), self.info.inputs):
+            if (plan.mb, *t.shape[1:]) != tuple(w.shape):
+                raise AutoparError(
+                    f"step() got a batch of shape {tuple(t.shape[1:])} per sample in microbatches of {plan.mb}, but the "
+                    f"step was compiled for {tuple(w.shape)}; compile again for the new shape"
+                )
         local = B // plan.dp
         sl = slice(self._dp_rank * local, (self._dp_rank + 1) * local)
-        ids_l, tgt_l = ids[sl], target[sl]
+        xs_l, tgt_l = [x[sl] for x in inputs], target[sl]
         M = local // plan.mb
-        want = (plan.mb, plan.seq_len)
-        if (plan.mb, ids.shape[1]) != want:
-            raise AutoparError(
-                f"step() got sequences of {ids.shape[1]} tokens in microbatches of {plan.mb}, but the step "
-                f"was compiled for {want}; compile again for the new shape"
-            )
         if self.plan.pp > 1:
-            loss = self._pipeline_step(ids_l, tgt_l, M)
+            loss = self._pipeline_step(xs_l, tgt_l, M)
         else:
             params = self._live_params()
-            total = torch.zeros((), dtype=torch.float32, device=ids.device)
+            total = torch.zeros((), dtype=torch.float32, device=tgt_l.device)
             for i in range(M):
                 mb = slice(i * plan.mb, (i + 1) * plan.mb)
-                (loss,) = self._step_runner(params, self._buffer_list, [ids_l[mb], tgt_l[mb]])
+                (loss,) = self._step_runner(params, self._buffer_list, [*(x[mb] for x in xs_l), tgt_l[mb]])
                 (loss / M).backward()
                 total += loss.detach().float()
             loss = total / M
@@ -617,10 +642,10 @@ class ParallelModule(nn.Module):
             dev = self._compute_device()
             for idx, (sg, runner) in sorted(self._stages.items()):
                 mod = _StageModule(self, sg, runner)
-                ins = tuple(torch.zeros(shape, dtype=dt, device=dev, requires_grad=dt.is_floating_point)
-                            for shape, dt in mod.input_meta)
-                outs = tuple(torch.zeros(shape, dtype=dt, device=dev, requires_grad=dt.is_floating_point)
-                             for shape, dt in mod.output_meta)
+                ins = tuple(torch.zeros(shape, dtype=dt, device=dev, requires_grad=grad)
+                            for shape, dt, grad in mod.input_meta)
+                outs = tuple(torch.zeros(shape, dtype=dt, device=dev, requires_grad=grad)
+                             for shape, dt, grad in mod.output_meta)
                 stages.append(pl.PipelineStage(mod, idx, plan.pp * plan.v, dev,
                                                input_args=ins, output_args=outs if len(outs) > 1 else outs[0],
                                                group=group, dw_builder=runner.take_weight_grads if zero_bubble else None))
@@ -638,17 +663,17 @@ class ParallelModule(nn.Module):
             self._schedules[M] = sched
         return self._schedules[M]
 
-    def _pipeline_step(self, ids: torch.Tensor, target: torch.Tensor, M: int) -> torch.Tensor:
+    def _pipeline_step(self, inputs: list, target: torch.Tensor, M: int) -> torch.Tensor:
         n_stages = self.plan.pp * self.plan.v
         sched = self._schedule(M)
-        args = (ids,) if 0 in self._stages else ()
+        args = tuple(inputs) if 0 in self._stages else ()
         losses: list = []
         kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stages else {}
         sched.step(*args, **kwargs)
         for name, group, _ in self._tied:  # each copy got the gradient of its own stage's uses
             g = self.get_parameter(name).grad
             dist.all_reduce(getattr(g, "_local_tensor", g), group=group)
-        loss = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros((), device=ids.device)
+        loss = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros((), device=target.device)
         return funcol.all_reduce(loss, "sum", self.mesh["pp"].get_group())  # only the last stage contributes
 
     # -- checkpoints ---------------------------------------------------------------------------

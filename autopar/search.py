@@ -168,6 +168,9 @@ def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
         raise AutoparError(f"dp={pins['dp']} does not divide the global batch of {ctx.global_batch} sequences")
     if pins.get("sp") and pins.get("tp", 2) == 1:
         raise AutoparError("sp=1 needs tp > 1")
+    if pins.get("sp") and pins.get("tp", 1) > 1 and m.seq_len % pins["tp"]:
+        raise AutoparError(f"sp=1 splits each {m.seq_len}-token sequence over tp={pins['tp']} ranks, which does not "
+                           f"divide it; use sp=0, or a tp that divides {m.seq_len}")
 
 
 def schedule_options(pp: int, M: int, n_layers: int) -> list[tuple[str, int]]:

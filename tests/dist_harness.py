@@ -30,6 +30,13 @@ def batch(seed: int, B: int = 8, S: int = 32, vocab: int = 256):
     return torch.randint(0, vocab, (B, S), generator=g), torch.randint(0, vocab, (B, S), generator=g)
 
 
+def model_batch(case: dict, seed: int):
+    """The case's model's inputs (a tuple: token ids, or images) and target for one batch."""
+    from tests import zoo
+
+    return zoo.example(case.get("model", "llama-tiny"), seed, B=case.get("batch", 8))
+
+
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -42,14 +49,14 @@ def run_case(world: int, case: dict) -> dict:
 
     ref = build(case.get("model", "llama-tiny"))
     par = copy.deepcopy(ref)
-    ids, tgt = batch(1, B=case.get("batch", 8))
+    xs, tgt = model_batch(case, 1)
     kw = {"compile": case["compile"]} if "compile" in case else {}
     fsdp2 = None
     if case.get("mp"):  # mixed precision: FSDP2 with the same policy, on these processes, is the reference
         kw["mp_policy"] = policy(case["mp"])
-        fsdp2 = fsdp2_run(copy.deepcopy(ref), world, kw["mp_policy"], case.get("steps", 3), case.get("batch", 8))
-    pm = autopar.compile(par, world, example_inputs=(ids,), plan=case.get("plan", "auto"),
-                         global_batch=ids.shape[0], **kw)
+        fsdp2 = fsdp2_run(copy.deepcopy(ref), world, kw["mp_policy"], case)
+    pm = autopar.compile(par, world, example_inputs=xs, plan=case.get("plan", "auto"),
+                         global_batch=tgt.shape[0], **kw)
     # The distributed weights gathered back: bit for bit the original's, loadable by a fresh model.
     full = pm.full_state_dict()
     ref_sd = ref.state_dict()
@@ -63,20 +70,20 @@ def run_case(world: int, case: dict) -> dict:
     if case.get("user_loop") and pm.plan.pp == 1:
         # The module path, on the initial weights: each data-parallel rank runs its slice of the
         # batch through pm(x) and the loss in its own loop.
-        ids, tgt = batch(200, B=case.get("batch", 8))
-        default_loss(ref(ids), tgt).backward()
+        xs, tgt = model_batch(case, 200)
+        default_loss(ref(*xs), tgt).backward()
         dp, rank = pm.plan.dp, pm._dp_rank
-        n = ids.shape[0] // dp
+        n = tgt.shape[0] // dp
         sl = slice(rank * n, (rank + 1) * n)
-        default_loss(pm(ids[sl]), tgt[sl]).backward()
+        default_loss(pm(*(x[sl] for x in xs)), tgt[sl]).backward()
         out["user_loop"] = _grad_diffs(pm, ref)
     for step in range(case.get("steps", 3)):
-        ids, tgt = batch(100 + step, B=case.get("batch", 8))
+        xs, tgt = model_batch(case, 100 + step)
         ref_opt.zero_grad()
-        rl = default_loss(ref(ids), tgt)
+        rl = default_loss(ref(*xs), tgt)
         rl.backward()
         opt.zero_grad()
-        loss = pm.step(ids, target=tgt)
+        loss = pm.step(xs, target=tgt)
         if step == 0:
             out.update(_grad_diffs(pm, ref))
             if case.get("clip"):
@@ -107,7 +114,7 @@ def policy(name: str):
     return MixedPrecisionPolicy(param_dtype=getattr(torch, p.compute), reduce_dtype=getattr(torch, p.reduce))
 
 
-def fsdp2_run(model: torch.nn.Module, world: int, mp_policy, steps: int, B: int) -> dict:
+def fsdp2_run(model: torch.nn.Module, world: int, mp_policy, case: dict) -> dict:
     """What an FSDP2 user runs, on these processes: ``fully_shard`` on each layer and the root
     with ``mp_policy``, data parallel over the whole world (each rank its slice of the batch),
     AdamW; the loss of each step (averaged over ranks) on the batches ``run_case`` uses."""
@@ -121,11 +128,12 @@ def fsdp2_run(model: torch.nn.Module, world: int, mp_policy, steps: int, B: int)
         fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    n, rank, losses = B // world, dist.get_rank(), []
-    for step in range(steps):
-        ids, tgt = batch(100 + step, B=B)
+    n, rank, losses = case.get("batch", 8) // world, dist.get_rank(), []
+    for step in range(case.get("steps", 3)):
+        xs, tgt = model_batch(case, 100 + step)
         opt.zero_grad()
-        loss = default_loss(model(ids[rank * n:(rank + 1) * n]), tgt[rank * n:(rank + 1) * n])
+        sl = slice(rank * n, (rank + 1) * n)
+        loss = default_loss(model(*(x[sl] for x in xs)), tgt[sl])
         loss.backward()
         opt.step()
         total = loss.detach().clone()
@@ -145,14 +153,14 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
     from autopar.capture import default_loss
     from tests import zoo
 
-    ids, tgt = batch(1, B=case.get("batch", 8))
+    xs, tgt = model_batch(case, 1)
     ref = build(case["model"])
     out = {"name": case["name"]}
     if case.get("save_plan") is not None:
-        src = autopar.compile(copy.deepcopy(ref), world, example_inputs=(ids,), plan=case["save_plan"],
-                              global_batch=ids.shape[0], mp_policy=case.get("mp"))
+        src = autopar.compile(copy.deepcopy(ref), world, example_inputs=xs, plan=case["save_plan"],
+                              global_batch=tgt.shape[0], mp_policy=case.get("mp"))
         opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
-        src.step(ids, target=tgt)
+        src.step(xs, target=tgt)
         opt.step()  # trained weights and moments, unlike any fresh initialisation
         saved = src.full_state_dict()
         src.save_checkpoint(case["dir"], opt)
@@ -165,24 +173,24 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses = []
     for step in range(3):
-        b_ids, b_tgt = batch(1 + step, B=case.get("batch", 8))
+        b_xs, b_tgt = model_batch(case, 1 + step)
         ref_opt.zero_grad()
-        loss = default_loss(ref(b_ids), b_tgt)
+        loss = default_loss(ref(*b_xs), b_tgt)
         loss.backward()
         ref_opt.step()
         ref_losses.append(float(loss.detach()))
     torch.manual_seed(1)
-    dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=(ids,), plan=case["load_plan"],
-                          global_batch=ids.shape[0], mp_policy=case.get("mp"))
+    dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=xs, plan=case["load_plan"],
+                          global_batch=tgt.shape[0], mp_policy=case.get("mp"))
     dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
     old_plan = dst.load_checkpoint(case["dir"], dst_opt)
     got = dst.full_state_dict()
     same = sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
     losses = []
     for step in (1, 2):
-        b_ids, b_tgt = batch(1 + step, B=case.get("batch", 8))
+        b_xs, b_tgt = model_batch(case, 1 + step)
         dst_opt.zero_grad()
-        losses.append(float(dst.step(b_ids, target=b_tgt)))
+        losses.append(float(dst.step(b_xs, target=b_tgt)))
         dst_opt.step()
     return {**out, "plans": [old_plan.as_config_string() if old_plan else None, dst.plan.as_config_string()],
             "saved_world": old_plan.world_size if old_plan else None,

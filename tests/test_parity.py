@@ -22,7 +22,7 @@ MP_TOL = 5e-3
 TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
 MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-gemma", "hf-gpt2", "hf-neox",
           "hf-phi3", "hf-opt", "hf-qwen2-moe", "hf-mixtral", "custom-llama", "hf-gptj", "hf-bloom", "hf-falcon",
-          "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta", "hf-bart", "hf-mt5"]
+          "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta", "hf-bart", "hf-mt5", "hf-deit"]
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
@@ -58,7 +58,7 @@ def case(model: str, plan_name: str, plan, **kw) -> dict:
 # Qwen2-MoE trains under FSDP 4 with the HF plans (CI_PLANS_HF); Mixtral covers routed experts under TP there.
 # Every family under TP 2 x FSDP 2 + SP, and the HF plans below: the ``matrix`` marker (``make
 # test-matrix``, which CI runs after ``make test``), in launches that run side by side.
-CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m == "hf-llama")) for m in MODELS
+CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m in ("hf-llama", "hf-deit"))) for m in MODELS
              if m != "hf-qwen2-moe"]
 # Every plan on the reference Llama; on HF Llama the plans whose graphs differ most from the
 # TP2xFSDP2+SP case above (``make parity`` runs every plan on every model).
@@ -72,7 +72,9 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     # Routed experts under TP with selective AC (backend.compile_graph: no second rematerialisation).
     case("hf-mixtral", "ac_selective_tp2_fsdp2_sp", PLANS["ac_selective_tp2_fsdp2_sp"]),
     # Beyond decoders: an encoder-decoder as planned; an encoder with a tied masked-LM head pipelined.
-    case("hf-bart", "auto", "auto"), case("hf-roberta", "pp2_ddp2", PP4["pp2_ddp2"])]
+    case("hf-bart", "auto", "auto"), case("hf-roberta", "pp2_ddp2", PP4["pp2_ddp2"]),
+    # Images in, class labels out (a patch-embedding convolution, class tokens, a 10-way head).
+    case("hf-deit", "auto", "auto"), case("hf-deit", "pp2_ddp2", PP4["pp2_ddp2"])]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"]),
     # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).
@@ -131,7 +133,8 @@ def _by_name(world, cases):
 # parallelism, compared with FSDP2 under the same policy on the same processes (``check_mixed``).
 CI_MIXED = [case(m, f"{n}_bf16", p, mp="bf16-mixed") for m in ("hf-llama", "gpt-tiny")
             for n, p in (("fsdp4", PLANS["fsdp4"]), ("tp2_fsdp2_sp", TP2_FSDP2_SP), ("pp2_fsdp2", PP4["pp2_fsdp2"]))] + [
-    case("hf-llama", "ddp4_bf16", PLANS["ddp4"], mp="bf16-mixed")]  # cast, no gather; fp32 all-reduce
+    case("hf-llama", "ddp4_bf16", PLANS["ddp4"], mp="bf16-mixed"),  # cast, no gather; fp32 all-reduce
+    case("hf-deit", "fsdp4_bf16", PLANS["fsdp4"], mp="bf16-mixed")]  # images cast to bf16 as FSDP2 casts them
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
             "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED)}
 MATRIX = {"models_a", "models_b"}

@@ -8,6 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB = 256
+IMAGE = (3, 32, 32)  # channels, height, width of the vision models' inputs
+CLASSES = 10
+VISION = ("hf-deit", "hf-vit")
 DROPOUT_OFF = {"attention_dropout": 0.0}
 
 
@@ -96,6 +99,16 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cfg = tf.MT5Config(d_model=64, d_kv=8, d_ff=128, num_layers=2, num_heads=8, dropout_rate=0.0,
                            feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=VOCAB, use_cache=False)
         cls = tf.MT5ForConditionalGeneration
+    elif kind == "hf-deit":  # images: patch-embedding convolution, class and distillation tokens, classifier
+        cfg = tf.DeiTConfig(image_size=IMAGE[1], patch_size=4, num_channels=IMAGE[0], hidden_size=64,
+                            num_hidden_layers=2, num_attention_heads=8, intermediate_size=128, num_labels=CLASSES,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cls = tf.DeiTForImageClassification
+    elif kind == "hf-vit":  # one class token: 65 tokens, which a sequence split over 2 ranks cannot halve
+        cfg = tf.ViTConfig(image_size=IMAGE[1], patch_size=4, num_channels=IMAGE[0], hidden_size=64,
+                           num_hidden_layers=2, num_attention_heads=8, intermediate_size=128, num_labels=CLASSES,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cls = tf.ViTForImageClassification
     else:
         raise KeyError(kind)
     for k, v in overrides.items():
@@ -103,6 +116,15 @@ def _hf(kind: str, **overrides) -> nn.Module:
     # GPT-J and BLOOM have no SDPA path in transformers; their eager attention is what users run.
     cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom", "hf-mt5") else "sdpa"
     model = cls(cfg)
+    if kind in VISION:
+        # The class tokens as training leaves them, not at their zero initialisation: there the
+        # class token's first layer norm reads an all-zero row and its gradient is ~1e6
+        # (1/sqrt(eps)), where fp32 summation order alone moves it by more than GRAD_TOL.
+        emb = model.get_submodule(f"{cfg.model_type}.embeddings")
+        with torch.no_grad():
+            for name in ("cls_token", "distillation_token", "position_embeddings"):
+                if hasattr(emb, name):
+                    torch.nn.init.trunc_normal_(getattr(emb, name), std=cfg.initializer_range)
     return FeedBoth(model) if cfg.is_encoder_decoder else model
 
 
@@ -235,6 +257,15 @@ class TitanLlama(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
         return self.output(self.norm(h))
+
+
+def example(kind: str, seed: int, B: int = 8, S: int = 32) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """One batch for ``kind``: its inputs (token ids, or images for a vision model) and target
+    (next-token labels, or class labels), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    if kind in VISION or kind.rsplit("-", 1)[0] in VISION:  # "hf-deit-4layers"
+        return (torch.randn((B, *IMAGE), generator=g),), torch.randint(0, CLASSES, (B,), generator=g)
+    return (torch.randint(0, VOCAB, (B, S), generator=g),), torch.randint(0, VOCAB, (B, S), generator=g)
 
 
 def build(kind: str, **overrides) -> nn.Module:

@@ -202,14 +202,14 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     ``primals`` = local parameter shards, buffers, inputs (and target). Gradients are returned
     for the parameters that require them, in parameter order, averaged over data parallelism,
-    then for the floating-point inputs (a pipeline stage's received activations). There is one
-    tangent per floating-point output; the data-parallel average (1/dp) is applied where the
+    then for the inputs that require them (a pipeline stage's received activations). There is one
+    tangent per output in ``grad_outputs``; the data-parallel average (1/dp) is applied where the
     gradient starts, at the graph that makes the model's output (the last pipeline stage)."""
     P = sg.n_params
     wrt_index = grad_inputs(sg, example)
     dp = layout.dp_size if sg.final else 1
     outs_meta = output_values(sg)
-    float_out = [i for i, v in enumerate(outs_meta) if v.is_floating_point()]
+    float_out = grad_outputs(sg)
 
     def read(i: int, x: torch.Tensor, consumer: torch.fx.Node) -> torch.Tensor:
         """Parameter ``i`` as the step reads it: gathered over data parallelism (recorded where
@@ -235,11 +235,15 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         with implicit_replication():
             vals = [Unread(functools.partial(read, i, x)) for i, x in enumerate(primals[:P])]
             rest = list(primals[P:])
-            if layout.tp_mesh is not None:  # a stage's received activations: whole on every TP rank
+            if layout.tp_mesh is not None:
+                # Floating-point inputs (a stage's received activations, images, latents) are whole
+                # on every TP rank, as DTensors: what reads them (a patch-embedding convolution's
+                # backward) may need both operands distributed.
+                inputs = range(P + len(sg.buffer_names), P + len(sg.buffer_names) + sg.n_inputs)
                 rest = [DTensor.from_local(x, layout.tp_mesh, [Replicate()], run_check=False)
-                        if i in wrt_index and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
+                        if i in inputs and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
             # Vocabulary-split logits: the cross-entropy (forward and backward) runs on the shards.
-            with loss_parallel() if rules is not None else contextlib.nullcontext():
+            with loss_parallel() if rules is not None and rules.vocab_split else contextlib.nullcontext():
                 outs = replay(sg.gm, vals + rest, rules, layout.tp_mesh, sp)
                 wrt = [primals[i] for i in wrt_index]
                 grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
@@ -269,12 +273,22 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
 
 def grad_inputs(sg, example: list) -> list[int]:
-    """Primal positions that get a gradient: parameters that require one, then floating-point
-    inputs (not buffers, not the target)."""
+    """Primal positions that get a gradient: parameters that require one, then the inputs that
+    do (a pipeline stage's received activations; not the model's own inputs, images included,
+    not buffers, not the target)."""
     P, B = sg.n_params, len(sg.buffer_names)
     params = [i for i in range(P) if example[i].requires_grad]
-    inputs = [P + B + j for j in range(sg.n_inputs) if example[P + B + j].is_floating_point()]
+    inputs = [P + B + j for j in range(sg.n_inputs)
+              if example[P + B + j].is_floating_point() and example[P + B + j].requires_grad]
     return params + inputs
+
+
+def grad_outputs(sg) -> list[int]:
+    """Output positions a gradient comes back to: floating point, and not the model's own inputs
+    that a pipeline stage passes on to the next (images travel along like token ids)."""
+    outs = output_values(sg)
+    passed_on = 0 if sg.final else sg.n_inputs - sg.n_received
+    return [i for i, v in enumerate(outs) if v.is_floating_point() and i < len(outs) - passed_on]
 
 
 def output_values(sg) -> list:

@@ -126,16 +126,14 @@ def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[Ste
                 env[n] = g.node_copy(n, lambda a: env[a])
         if s == n_stages - 1:
             g.output(torch.fx.node.map_arg(out_node.args[0], lambda a: env[a]))
-            n_out_inputs = len(received)
         else:
             g.output([env[v] for v in boundaries[s]] + [env[x] for x in model_inputs])
-            n_out_inputs = len(received)
         sgm = torch.fx.GraphModule(gm, g)
         st = StepGraph(sgm, [sg.param_names[i] for i in used_params],
                        {sg.param_names[i]: sg.aliases.get(sg.param_names[i], []) for i in used_params},
-                       [sg.buffer_names[j] for j in used_bufs], n_out_inputs + len(model_inputs), False,
+                       [sg.buffer_names[j] for j in used_bufs], len(received) + len(model_inputs), False,
                        [], [tuple(v.meta["val"].shape) for v in received + model_inputs], sg.output_type,
-                       final=s == n_stages - 1)
+                       final=s == n_stages - 1, n_received=len(received))
         stages.append(st)
     return stages
 

@@ -37,6 +37,7 @@ class TPRules:
     gathered: dict  # residual node -> nodes that read it gathered (column inputs)
     to_residual: set  # nodes whose output becomes the residual placement (rows, embeddings)
     notes: list = field(default_factory=list)
+    vocab_split: bool = False  # the head's logits are split along their last dim (the loss runs on the shards)
 
 
 def placement_str(p) -> str:
@@ -102,4 +103,5 @@ def tp_rules(sg, roles: Roles, tp: int, sp: bool) -> TPRules:
     for n in roles.residual:
         if n.op == "placeholder" or (n.op == "call_function" and n.target == torch.ops.aten.embedding.default):
             to_residual.add(n)
-    return TPRules(placements, gathered, to_residual, notes)
+    vocab_split = any(lin.role == "head" and lin.weight in sharded for lin in roles.linears)
+    return TPRules(placements, gathered, to_residual, notes, vocab_split)
