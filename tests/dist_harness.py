@@ -45,18 +45,19 @@ def run_case(world: int, case: dict) -> dict:
     """One case: the same model trained by autopar (default options unless the case says) and
     by one process, compared by original parameter name."""
     import autopar
-    from autopar.capture import default_loss
+    from tests import zoo
 
     ref = build(case.get("model", "llama-tiny"))
     par = copy.deepcopy(ref)
     xs, tgt = model_batch(case, 1)
-    kw = {"compile": case["compile"]} if "compile" in case else {}
+    loss_fn = zoo.loss_of(case.get("model", "llama-tiny"))
+    kw = {k: case[k] for k in ("compile", "disable_passes", "enable_passes") if k in case}
     fsdp2 = None
     if case.get("mp"):  # mixed precision: FSDP2 with the same policy, on these processes, is the reference
         kw["mp_policy"] = policy(case["mp"])
         fsdp2 = fsdp2_run(copy.deepcopy(ref), world, kw["mp_policy"], case)
-    pm = autopar.compile(par, world, example_inputs=xs, plan=case.get("plan", "auto"),
-                         global_batch=tgt.shape[0], **kw)
+    pm = autopar.compile(par, world, example_inputs=xs, example_target=tgt, loss_fn=loss_fn,
+                         plan=case.get("plan", "auto"), global_batch=tgt.shape[0], **kw)
     # The distributed weights gathered back: bit for bit the original's, loadable by a fresh model.
     full = pm.full_state_dict()
     ref_sd = ref.state_dict()
@@ -71,16 +72,16 @@ def run_case(world: int, case: dict) -> dict:
         # The module path, on the initial weights: each data-parallel rank runs its slice of the
         # batch through pm(x) and the loss in its own loop.
         xs, tgt = model_batch(case, 200)
-        default_loss(ref(*xs), tgt).backward()
+        loss_fn(ref(*xs), tgt).backward()
         dp, rank = pm.plan.dp, pm._dp_rank
         n = tgt.shape[0] // dp
         sl = slice(rank * n, (rank + 1) * n)
-        default_loss(pm(*(x[sl] for x in xs)), tgt[sl]).backward()
+        loss_fn(pm(*(x[sl] for x in xs)), tgt[sl]).backward()
         out["user_loop"] = _grad_diffs(pm, ref)
     for step in range(case.get("steps", 3)):
         xs, tgt = model_batch(case, 100 + step)
         ref_opt.zero_grad()
-        rl = default_loss(ref(*xs), tgt)
+        rl = loss_fn(ref(*xs), tgt)
         rl.backward()
         opt.zero_grad()
         loss = pm.step(xs, target=tgt)
@@ -121,7 +122,8 @@ def fsdp2_run(model: torch.nn.Module, world: int, mp_policy, case: dict) -> dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from autopar.capture import default_loss, find_layers
+    from autopar.capture import find_layers
+    from tests import zoo
 
     mesh = init_device_mesh("cpu", (world,))
     for name in find_layers(model):
@@ -133,7 +135,7 @@ def fsdp2_run(model: torch.nn.Module, world: int, mp_policy, case: dict) -> dict
         xs, tgt = model_batch(case, 100 + step)
         opt.zero_grad()
         sl = slice(rank * n, (rank + 1) * n)
-        loss = default_loss(model(*(x[sl] for x in xs)), tgt[sl])
+        loss = zoo.loss_of(case.get("model", "llama-tiny"))(model(*(x[sl] for x in xs)), tgt[sl])
         loss.backward()
         opt.step()
         total = loss.detach().clone()
@@ -150,14 +152,15 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
     weights must come back bit for bit (by original name) and training must go on along the
     single-process trajectory (the second step after loading checks the moments)."""
     import autopar
-    from autopar.capture import default_loss
     from tests import zoo
 
     xs, tgt = model_batch(case, 1)
+    loss_fn = zoo.loss_of(case["model"])
     ref = build(case["model"])
     out = {"name": case["name"]}
     if case.get("save_plan") is not None:
-        src = autopar.compile(copy.deepcopy(ref), world, example_inputs=xs, plan=case["save_plan"],
+        src = autopar.compile(copy.deepcopy(ref), world, example_inputs=xs, example_target=tgt, loss_fn=loss_fn,
+                              plan=case["save_plan"],
                               global_batch=tgt.shape[0], mp_policy=case.get("mp"))
         opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
         src.step(xs, target=tgt)
@@ -175,12 +178,13 @@ def run_checkpoint_case(world: int, case: dict) -> dict:
     for step in range(3):
         b_xs, b_tgt = model_batch(case, 1 + step)
         ref_opt.zero_grad()
-        loss = default_loss(ref(*b_xs), b_tgt)
+        loss = loss_fn(ref(*b_xs), b_tgt)
         loss.backward()
         ref_opt.step()
         ref_losses.append(float(loss.detach()))
     torch.manual_seed(1)
-    dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=xs, plan=case["load_plan"],
+    dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=xs, example_target=tgt, loss_fn=loss_fn,
+                          plan=case["load_plan"],
                           global_batch=tgt.shape[0], mp_policy=case.get("mp"))
     dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
     old_plan = dst.load_checkpoint(case["dir"], dst_opt)

@@ -74,7 +74,9 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     # Beyond decoders: an encoder-decoder as planned; an encoder with a tied masked-LM head pipelined.
     case("hf-bart", "auto", "auto"), case("hf-roberta", "pp2_ddp2", PP4["pp2_ddp2"]),
     # Images in, class labels out (a patch-embedding convolution, class tokens, a 10-way head).
-    case("hf-deit", "auto", "auto"), case("hf-deit", "pp2_ddp2", PP4["pp2_ddp2"])]
+    case("hf-deit", "auto", "auto"), case("hf-deit", "pp2_ddp2", PP4["pp2_ddp2"]),
+    # Latents, timesteps and class labels in, the noise MSE out (diffusers' DiT, adaptive layer norm).
+    case("diffusers-dit", "pp2_ddp2", PP4["pp2_ddp2"])]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"]),
     # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).

@@ -259,18 +259,57 @@ class TitanLlama(nn.Module):
         return self.output(self.norm(h))
 
 
+LATENT = (4, 8, 8)  # the diffusion transformer's latents: channels, height, width
+
+
+def _dit() -> nn.Module:
+    """diffusers' class-conditional DiT (adaptive layer norm from timestep and class, patchified
+    latents in, noise prediction out), tiny. Its training-time class-label dropout (for
+    classifier-free guidance) is off: a random draw the one-process reference would make differently."""
+    from diffusers import DiTTransformer2DModel
+    from diffusers.models.embeddings import LabelEmbedding
+
+    model = DiTTransformer2DModel(num_attention_heads=8, attention_head_dim=8, in_channels=LATENT[0], num_layers=2,
+                                  sample_size=LATENT[1], patch_size=2, num_embeds_ada_norm=CLASSES, dropout=0.0)
+    for m in model.modules():
+        if isinstance(m, LabelEmbedding):
+            m.dropout_prob = 0.0
+    return model
+
+
+def noise_loss(out, target: torch.Tensor) -> torch.Tensor:
+    """A diffusion model's loss: the mean squared error of the predicted noise."""
+    from autopar.capture import logits_of
+
+    return F.mse_loss(logits_of(out).float(), target.float())
+
+
+def loss_of(kind: str):
+    """The loss ``kind`` trains with: the noise MSE for the diffusion transformer, else autopar's
+    default (cross-entropy over the logits' last dim)."""
+    from autopar.capture import default_loss
+
+    return noise_loss if kind.startswith("diffusers-dit") else default_loss
+
+
 def example(kind: str, seed: int, B: int = 8, S: int = 32) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """One batch for ``kind``: its inputs (token ids, or images for a vision model) and target
-    (next-token labels, or class labels), seeded."""
+    """One batch for ``kind``: its inputs (token ids; images; latents, timesteps and class labels)
+    and target (next-token labels, class labels, the noise), seeded."""
     g = torch.Generator().manual_seed(seed)
     if kind in VISION or kind.rsplit("-", 1)[0] in VISION:  # "hf-deit-4layers"
         return (torch.randn((B, *IMAGE), generator=g),), torch.randint(0, CLASSES, (B,), generator=g)
+    if kind.startswith("diffusers-dit"):
+        inputs = (torch.randn((B, *LATENT), generator=g), torch.randint(0, 1000, (B,), generator=g),
+                  torch.randint(0, CLASSES, (B,), generator=g))
+        return inputs, torch.randn((B, *LATENT), generator=g)
     return (torch.randint(0, VOCAB, (B, S), generator=g),), torch.randint(0, VOCAB, (B, S), generator=g)
 
 
 def build(kind: str, **overrides) -> nn.Module:
     if kind == "titan-llama":
         return TitanLlama()
+    if kind == "diffusers-dit":
+        return _dit()
     if kind.startswith("hf-") and kind.endswith("layers"):  # "hf-<family>-<n>layers": n decoder layers
         base, n = kind.rsplit("-", 1)
         return _hf(base, num_hidden_layers=int(n.removesuffix("layers")), **overrides)
