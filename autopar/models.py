@@ -415,6 +415,12 @@ def _hf_meta(path: str, raw: dict) -> dict:
         cfg = transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError, TypeError) as e:
         raise AutoparError(f"{path} is not a valid {raw['model_type']} config: {e}") from e
+    if not hasattr(cfg, "vocab_size") or type(cfg) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and \
+            not getattr(cfg, "is_encoder_decoder", False):
+        raise AutoparError(
+            f"{path}: a {cfg.model_type} config is not a language model's (no causal-LM class in transformers "
+            f"{transformers.__version__}), and from a config file autopar plans language models only; plan it "
+            "from the module and one batch of its inputs: autopar.plan(model, gpus, example_inputs=(images,))")
     notes = _shape_fields(path, raw, cfg)
     # SDPA (the fused kernel) where transformers has it for the family; GPT-J and BLOOM have only
     # their eager attention, which is what their users run.

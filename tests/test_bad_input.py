@@ -321,3 +321,55 @@ def test_bad_meshes():
     for name, msg in want.items():
         assert re.search(msg, got[name]), (name, got[name])
         assert got[name + "/untouched"], f"{name}: the model was changed"
+
+
+@pytest.fixture(scope="module")
+def compiled_images():
+    from tests import zoo
+
+    torch.manual_seed(0)
+    xs, y = zoo.example("hf-deit", 1)
+    return autopar.compile(build("hf-deit"), 1, example_inputs=xs, plan="mb=2", global_batch=8, compile=False)
+
+
+IMAGE_STEP_CASES = [
+    ("integer_images", lambda x, y: (x.long(), y), r"takes inputs\[0\] as floating point, got torch.int64"),
+    ("float_labels", lambda x, y: (x, y.float()), r"takes target as integers, got torch.float32"),
+    ("labels_per_pixel", lambda x, y: (x, y[:, None].expand(8, 4)), r"takes target as a 1-D \(batch first\) tensor"),
+    ("other_image_size", lambda x, y: (x[..., :16, :16], y), r"shape \(3, 16, 16\) per sample .* compiled for \(2, 3, 32, 32\)"),
+    ("batches_differ", lambda x, y: (x, y[:4]), r"batches \[8, 4\]"),
+]
+
+
+@pytest.mark.parametrize("bad,msg", [pytest.param(b, m, id=i) for i, b, m in IMAGE_STEP_CASES])
+def test_image_step_bad_input(compiled_images, bad, msg):
+    """A model fed images: step() checks each input and the target against what was compiled."""
+    from tests import zoo
+
+    (x,), y = zoo.example("hf-deit", 3)
+    before = _state(compiled_images)
+    with pytest.raises(AutoparError, match=msg):
+        compiled_images.step(*bad(x, y))
+    assert _untouched(compiled_images, before)
+
+
+def test_image_step_trains_the_same_model(compiled_images):
+    """The same images through the compiled step and the one-process model: the same loss."""
+    from autopar.capture import default_loss
+    from tests import zoo
+
+    torch.manual_seed(0)
+    ref = build("hf-deit")
+    xs, y = zoo.example("hf-deit", 4)
+    assert float(compiled_images.step(xs, target=y)) == pytest.approx(float(default_loss(ref(*xs), y)), abs=1e-6)
+    for p in compiled_images.parameters():
+        p.grad = None
+
+
+def test_own_loss_on_images_needs_its_target():
+    """A loss of the user's own on a model not fed token ids: autopar cannot guess its target."""
+    from tests import zoo
+
+    xs, _ = zoo.example("hf-deit", 1)
+    with pytest.raises(AutoparError, match=r"Pass example_target="):
+        autopar.compile(build("hf-deit"), 1, example_inputs=xs, loss_fn=zoo.noise_loss)
