@@ -636,7 +636,7 @@ class StepState:
     split_weight: int | None = None
 
 
-def _layout(sg, p: Plan, mesh, mixed: RunPrecision):
+def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
     from autopar.passes.distribute import Layout
     from autopar.passes.fsdp import dp_placements, sub_meshes
     from autopar.passes.tp import tp_rules
@@ -645,7 +645,7 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision):
     rules = None
     tp_pl: dict = {}
     if p.tp > 1:
-        rules = tp_rules(sg, roles.step_roles(sg), p.tp, p.sp)
+        rules = tp_rules(sg, roles.step_roles(sg), p.tp, p.sp, split_head)
         tp_pl = rules.placements
     dp_pl = dp_placements(shapes, tp_pl, p.dp_shard, p.fsdp)
     lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp, compute=mixed.compute, reduce=mixed.reduce)
@@ -745,7 +745,7 @@ def _collective_records(compiled, mesh) -> list[dict]:
 
 
 def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: torch.Tensor, loss_fn: Callable,
-                      name: str, *,
+                      name: str, split_head: bool, *,
                       inductor: bool, disabled: set, enabled: set, mixed: RunPrecision):
     """Pipeline plans: the forward graph cut into stage graphs (``passes/pp.py``); this rank's
     stages each go through the same passes and backend; parameters of other ranks' stages are
@@ -773,7 +773,8 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: to
     runners, placements, notes = {}, [], []
     info = CompileInfo(sorted(keep), inputs=[*mb_inputs, target[: p.mb]])
     info.timings.update(split_ctx.timings)
-    layouts = {s: _layout(stages[s], p, mesh, mixed) for s in set(mine) | {s for ss in shared.values() for s in ss}}
+    layouts = {s: _layout(stages[s], p, mesh, mixed, split_head)
+               for s in set(mine) | {s for ss in shared.values() for s in ss}}
     for pname, ss in shared.items():
         got = {s: layouts[s][0].placements(stages[s].param_names.index(pname)) for s in ss}
         if len(set(map(str, got.values()))) > 1:
@@ -936,13 +937,17 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     if p.seq_len != prof.profile.seq_len:
         raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have "
                                 f"{prof.profile.seq_len}")
+    # The head's logits stay split along the vocabulary only for a cross-entropy (loss parallelism):
+    # decided once, from the step with its loss, for every graph that holds the head.
+    split_head = p.tp > 1 and roles.head_feeds_cross_entropy(step)
     dmesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
     if p.pp > 1:
-        pm = _compile_pipeline(model, p, dmesh, example_inputs, target, loss_fn, prof.source_name, inductor=compile,
+        pm = _compile_pipeline(model, p, dmesh, example_inputs, target, loss_fn, prof.source_name, split_head,
+                               inductor=compile,
                                disabled=disabled, enabled=enabled, mixed=mixed)
         pm.tuning = tuning
         return pm
@@ -950,7 +955,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     mb_tgt = target[: p.mb]
     sg = step if p.mb == batch else capture.trace_step(model, tuple(mb_inputs), target=mb_tgt, loss_fn=loss_fn,
                                                        name=prof.source_name, **mixed.trace_kw)
-    lay, rules = _layout(sg, p, dmesh, mixed)
+    lay, rules = _layout(sg, p, dmesh, mixed, split_head)
     from autopar.passes.tp import placement_str
 
     placements = tuple((n, placement_str(lay.tp.get(i)) if i in lay.tp else "R", placement_str(lay.dp[i]))
@@ -968,7 +973,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
         from autopar.passes.tp import tp_rules
 
         fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
-        frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp) if p.tp > 1 else None
+        frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp, split_head) if p.tp > 1 else None
         runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model, inductor=compile,
                                disabled=disabled, enabled=enabled, inputs=list(inputs), info=info, key="forward")
         info.output_type = fsg.output_type

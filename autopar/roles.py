@@ -184,6 +184,25 @@ def step_roles(sg) -> Roles:
                       [x for x in inputs if x.meta["val"].is_floating_point()], inputs)
 
 
+def head_feeds_cross_entropy(sg) -> bool:
+    """Whether the loss of a traced step (``capture.StepGraph`` with its loss) reads the head's
+    logits through a log-softmax (cross-entropy): the one loss that runs on vocabulary shards
+    (loss parallelism). Any other loss (a diffusion model's MSE of its patch outputs) reads whole
+    logits: DTensor's mean-reduced MSE on shards averages the loss right but scales its gradient
+    by the shard count (measured, torch 2.13)."""
+    heads = [lin.node for lin in step_roles(sg).linears if lin.role == "head"]
+    seen, stack = set(), list(heads)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in (_aten._log_softmax.default, _aten.log_softmax.int):
+            return True
+        stack += list(n.users)
+    return False
+
+
 def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = ()) -> Roles:
     """The roles of ``gm``'s linears. ``pidx``: parameter placeholder -> parameter index;
     ``sources``: the nodes where the residual stream starts (floating-point inputs, a block's

@@ -57,7 +57,7 @@ def _end_of_views(n: torch.fx.Node) -> torch.fx.Node:
     return n
 
 
-def tp_rules(sg, roles: Roles, tp: int, sp: bool) -> TPRules:
+def tp_rules(sg, roles: Roles, tp: int, sp: bool, split_head: bool) -> TPRules:
     shapes = [ph.meta["val"].shape for ph in sg.placeholders()[: sg.n_params]]
     names = sg.param_names
     want: dict[int, list] = {}
@@ -74,7 +74,13 @@ def tp_rules(sg, roles: Roles, tp: int, sp: bool) -> TPRules:
         return _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
 
     for lin in roles.linears:
-        if lin.role in ("column", "head"):
+        if lin.role == "head" and not split_head:
+            notes.append(f"{names[lin.weight]}: replicated, the loss does not read its output through a "
+                         "cross-entropy (loss parallelism needs one)")
+            ask(lin.weight, Replicate())
+            if lin.bias is not None:
+                ask(lin.bias, Replicate())
+        elif lin.role in ("column", "head"):
             ask(lin.weight, split(lin.weight, lin.out_dim, lin.parts))
             if lin.bias is not None:
                 ask(lin.bias, split(lin.bias, 0, lin.parts))
