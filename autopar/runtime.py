@@ -581,7 +581,7 @@ class ParallelModule(nn.Module):
                 kind = {"int": "integer token ids" if tokens else "integers", "float": "floating point"}[_kind(w)]
                 fix = "; pass a LongTensor" if _kind(w) == "int" else ""
                 raise AutoparError(f"step() takes {what} as {kind}, got {t.dtype}{fix}")
-        if tokens and target.shape != inputs[0].shape:
+        if tokens and want_tgt.shape == want[0].shape and target.shape != inputs[0].shape:  # next-token labels
             raise AutoparError(f"target has shape {tuple(target.shape)}, ids {tuple(inputs[0].shape)}: they must match")
         if any(t.shape[0] != inputs[0].shape[0] for t in (*inputs, target)):
             raise AutoparError(f"step() got inputs and target of batches {[t.shape[0] for t in (*inputs, target)]}: "
