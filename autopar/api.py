@@ -277,15 +277,18 @@ def _world(world_size_or_mesh: Any) -> int:
 
 def plan(
     model: Any, world_size_or_mesh: Any, *, example_inputs: tuple | None = None,
+    example_target: torch.Tensor | None = None,
     hardware: str | dict | Hardware = "h100", global_batch: int | None = None, pin: str | dict | None = None,
     memory_limit_gb: float | None = None, precision: str = "bf16", seq_len: int | None = None,
     top_k: int = 3, loss_fn: Callable | None = None, progress: Callable | None = None,
     profiled: Profiled | None = None,
 ) -> Plan:
-    """Plan ``model`` for a mesh: the fastest TP/SP/PP/FSDP/AC layout that fits in memory."""
+    """Plan ``model`` for a mesh: the fastest TP/SP/PP/FSDP/AC layout that fits in memory.
+    ``example_inputs`` (and ``example_target`` for a loss of one's own on inputs other than token
+    ids), as ``compile`` takes them; without them, a preset or config is planned on token ids."""
     world = _world(world_size_or_mesh)
     prof = profiled or profile_model(model, seq_len=seq_len, example_inputs=example_inputs,
-                                     precision=precision, loss_fn=loss_fn)
+                                     example_target=example_target, precision=precision, loss_fn=loss_fn)
     ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
                        precision=precision, memory_limit_gb=memory_limit_gb)
     pins = search_mod.parse_pins(pin)
