@@ -180,6 +180,26 @@ def test_step_roles_by_data_flow(kind, want):
     assert len(heads) == 1
 
 
+@pytest.mark.parametrize("kind,split", [("hf-llama", True), ("hf-deit", True), ("diffusers-dit", False)])
+def test_head_split_only_under_a_cross_entropy(kind, split):
+    """The head's logits stay split over TP only when the loss reads them through a log-softmax
+    (a language model's next token, an image classifier's class); a diffusion transformer's
+    noise MSE reads its patch outputs whole (DTensor's MSE on shards doubles the gradient)."""
+    from autopar.passes.tp import tp_rules
+    from autopar.roles import head_feeds_cross_entropy
+    from tests import zoo
+
+    torch.manual_seed(0)
+    m = zoo.build(kind)
+    xs, y = zoo.example(kind, 1, B=2, S=16)
+    sg = capture.trace_step(m, xs, target=y, loss_fn=zoo.loss_of(kind))
+    assert head_feeds_cross_entropy(sg) is split
+    rules = tp_rules(sg, step_roles(sg), 2, True, split)
+    (head,) = [lin for lin in step_roles(sg).linears if lin.role == "head"]
+    assert rules.vocab_split is split
+    assert (head.weight in rules.placements and type(rules.placements[head.weight]).__name__ == "Shard") is split
+
+
 def test_405b_planned_without_allocating():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     p = profile("llama3-405b")
