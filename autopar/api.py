@@ -67,9 +67,15 @@ def profile_model(
     vocab = None
     name = type(model).__name__
     notes: tuple[str, ...] = ()
+    traced_on = None  # what a source that is not a language model is traced on
     if isinstance(model, models.ModelSource):
         notes = model.notes
-        if example_inputs is None:
+        if example_inputs is None and model.image:
+            if seq_len is not None:
+                raise AutoparError(f"{model.name} takes images of {'x'.join(map(str, model.image))}: its sequence "
+                                   "is its patches, not a length to choose; leave out seq_len (--seq-len)")
+            traced_on = (torch.zeros(1, *model.image),)
+        elif example_inputs is None:
             seq_len, seq_notes = models.planning_seq_len(model, seq_len)
             notes += seq_notes
         vocab = model.vocab_size
@@ -89,7 +95,7 @@ def profile_model(
         batch = int(example_inputs[0].shape[0])
         # token ids: their sequence; other inputs: found in the trace (the layers' tokens per sample)
         seq_len = int(example_inputs[0].shape[1]) if capture.is_token_ids(example_inputs[0]) else None
-    elif not seq_len:
+    elif not seq_len and traced_on is None:
         raise AutoparError(f"the sequence length of {name} is unknown: pass seq_len (--seq-len)")
     dtype = getattr(torch, precision_of(precision).compute)  # what the step computes in
     key = _profile_key(model, batch, seq_len, dtype) if example_inputs is None and loss_fn is None else None
@@ -101,7 +107,7 @@ def profile_model(
                                                     vocab_size=vocab, t0=t0))
     elif prof is None:
         tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
-                                 loss_fn=loss_fn, name=name, example_inputs=example_inputs,
+                                 loss_fn=loss_fn, name=name, example_inputs=example_inputs or traced_on,
                                  example_target=example_target)
         prof = analysis.analyze(tr)
         _profile_cache_put(key, prof)

@@ -91,6 +91,10 @@ def output_logits(model: nn.Module, inputs: tuple) -> torch.Tensor:
     mode = detect_fake_mode([*model.parameters(), *inputs]) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
                   for x in inputs)
+    own = next((q.dtype for q in model.parameters() if q.is_floating_point()), None)
+    if own is not None:  # floating inputs in the parameters' dtype, as the step casts them
+        with mode:
+            fakes = tuple(x.to(own) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in fakes)
     try:
         with mode, torch.no_grad():
             return logits_of(model(*fakes))

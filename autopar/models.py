@@ -265,6 +265,7 @@ class ModelSource:
     hf: bool = False
     spec: dict = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what autopar assumed about the model (shown with the plan)
+    image: tuple[int, ...] | None = None  # an image model's input per sample (channels, height, width)
 
 
 def _check_config_fields(path: str, raw: dict, cls: type) -> None:
@@ -368,6 +369,7 @@ def _hf_source(path: str) -> ModelSource:
         except OSError:
             pass  # a read-only home: checked again next time
     attn = meta["attn"]
+    image = tuple(meta["image"]) if meta.get("image") else None
 
     def build() -> nn.Module:
         import transformers
@@ -376,6 +378,11 @@ def _hf_source(path: str) -> ModelSource:
         if hasattr(cfg, "use_cache"):
             cfg.use_cache = False
         cfg._attn_implementation = attn
+        if image:  # initialisation skipped: ViT's truncated normal decides on values, which fake tensors lack
+            from transformers.modeling_utils import no_init_weights
+
+            with no_init_weights():
+                return transformers.AutoModelForImageClassification.from_config(cfg, attn_implementation=attn)
         return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
 
     # The model's own name where the config has one (a hub id), else the file's: its directory
@@ -391,6 +398,7 @@ def _hf_source(path: str) -> ModelSource:
         hf=True,
         spec={"kind": "hf", "config": raw},
         notes=tuple(meta["notes"]),
+        image=image,
     )
 
 
@@ -415,12 +423,20 @@ def _hf_meta(path: str, raw: dict) -> dict:
         cfg = transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError, TypeError) as e:
         raise AutoparError(f"{path} is not a valid {raw['model_type']} config: {e}") from e
+    if type(cfg) in transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING and hasattr(cfg, "image_size"):
+        # An image classifier: planned on images of the config's size (its sequence is the tokens
+        # per image that its layers see, found in the trace), its classes the head's outputs.
+        size = cfg.image_size if isinstance(cfg.image_size, (list, tuple)) else (cfg.image_size, cfg.image_size)
+        cls = transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(cfg)]
+        return {"model_type": cfg.model_type, "seq_len": None, "vocab_size": cfg.num_labels,
+                "attn": "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager",
+                "image": [getattr(cfg, "num_channels", 3), *size], "notes": []}
     if not hasattr(cfg, "vocab_size") or type(cfg) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and \
             not getattr(cfg, "is_encoder_decoder", False):
         raise AutoparError(
-            f"{path}: a {cfg.model_type} config is not a language model's (no causal-LM class in transformers "
-            f"{transformers.__version__}), and from a config file autopar plans language models only; plan it "
-            "from the module and one batch of its inputs: autopar.plan(model, gpus, example_inputs=(images,))")
+            f"{path}: a {cfg.model_type} config is neither a language model's nor an image classifier's in "
+            f"transformers {transformers.__version__}, which is what autopar plans from a config file; plan it "
+            "from the module and one batch of its inputs: autopar.plan(model, gpus, example_inputs=(...))")
     notes = _shape_fields(path, raw, cfg)
     # SDPA (the fused kernel) where transformers has it for the family; GPT-J and BLOOM have only
     # their eager attention, which is what their users run.

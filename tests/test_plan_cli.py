@@ -301,3 +301,25 @@ def test_a_config_seen_before_is_planned_without_importing_transformers(tmp_path
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
     assert "TRANSFORMERS True" in runs[0].stderr and "TRANSFORMERS False" in runs[1].stderr
     assert json.loads(runs[0].stdout)["plan"] == json.loads(runs[1].stdout)["plan"]
+
+
+def test_an_image_classifier_config_is_planned_on_its_images(tmp_path, monkeypatch):
+    """A ViT config.json: traced on images of its size (a forward on fake tensors), its sequence
+    the patches and class token its layers see, its classes the head's outputs; a sequence length
+    is refused (it is the patches), and a config that is neither a language model nor an image
+    classifier is refused with the way to plan it."""
+    import transformers
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = transformers.ViTConfig(image_size=64, patch_size=8, hidden_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, intermediate_size=512, num_labels=100)
+    path = tmp_path / "vit" / "config.json"
+    cfg.save_pretrained(path.parent)
+    p = api.plan(str(path), 8, hardware="h100", global_batch=256)
+    assert p.seq_len == (64 // 8) ** 2 + 1 and len(p.layers) == 4
+    with pytest.raises(AutoparError, match="its sequence is its patches"):
+        api.plan(str(path), 8, hardware="h100", seq_len=128)
+    other = tmp_path / "clip" / "config.json"
+    transformers.CLIPVisionConfig().save_pretrained(other.parent)
+    with pytest.raises(AutoparError, match="neither a language model's nor an image classifier's"):
+        api.plan(str(other), 8, hardware="h100")
