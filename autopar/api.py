@@ -804,9 +804,8 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: to
         # A stage's inputs: what the stage before sends (activations, which carry gradients), then
         # the model's inputs (which do not).
         phs = st.placeholders()[st.n_params + len(st.buffer_names):]
-        n_sent = len(phs) - len(mb_inputs)
         st_inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype, device=mb_inputs[0].device
-                                 ).requires_grad_(ph.meta["val"].is_floating_point()) for ph in phs[:n_sent]]
+                                 ).requires_grad_(ph.meta["val"].is_floating_point()) for ph in phs[:st.n_received]]
         runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
                                         disabled=disabled, enabled=enabled, inputs=st_inputs + mb_inputs, info=info,
                                         key=f"stage {s}"))

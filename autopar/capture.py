@@ -67,8 +67,9 @@ def logits_of(out: Any) -> torch.Tensor:
         return out.logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    if hasattr(out, "to_tuple") and out.to_tuple() and isinstance(out.to_tuple()[0], torch.Tensor):
-        return out.to_tuple()[0]  # another library's output record (diffusers' ``sample``)
+    items = out.to_tuple() if hasattr(out, "to_tuple") else ()  # another library's record (diffusers' ``sample``)
+    if items and isinstance(items[0], torch.Tensor):
+        return items[0]
     raise TraceError(f"cannot find logits in the model output of type {type(out).__name__}")
 
 
@@ -125,16 +126,11 @@ def sample_tokens(sg: StepGraph, batch: int, vocab_size: int | None = None) -> t
     features): a ViT's patches and class token, a DiT's latent patches), and its "vocabulary",
     the logits' last dimension (classes, or features per patch), what a TP head splits."""
     params = set(sg.placeholders()[: sg.n_params])
-    seq_len = None
-    for n in sg.gm.graph.nodes:
-        if seq_len is not None or n.meta.get("custom", {}).get("layer") != 0:
-            continue
-        for a in n.all_input_nodes:
-            v = a.meta.get("val")
-            if (a not in params and a.meta.get("custom", {}).get("layer") is None and isinstance(v, torch.Tensor)
-                    and v.is_floating_point() and v.dim() >= 3 and v.shape[0] == batch):
-                seq_len = math.prod(v.shape[1:-1])
-                break
+    entering = (a.meta.get("val") for n in sg.gm.graph.nodes if n.meta.get("custom", {}).get("layer") == 0
+                for a in n.all_input_nodes if a not in params and a.meta.get("custom", {}).get("layer") is None)
+    hidden = next((v for v in entering if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3
+                   and v.shape[0] == batch), None)
+    seq_len = math.prod(hidden.shape[1:-1]) if hidden is not None else None
     if seq_len is None:
         raise TraceError("cannot find the model's sequence: no (batch, tokens, features) hidden state enters its "
                          "first repeated layer")

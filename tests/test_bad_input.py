@@ -329,7 +329,7 @@ def compiled_images():
 
     torch.manual_seed(0)
     xs, y = zoo.example("hf-deit", 1)
-    return autopar.compile(build("hf-deit"), 1, example_inputs=xs, plan="mb=2", global_batch=8, compile=False)
+    return autopar.compile(build("hf-deit"), 1, example_inputs=xs, plan="mb=2", global_batch=8)
 
 
 IMAGE_STEP_CASES = [
