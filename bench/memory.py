@@ -21,9 +21,10 @@ every step. On gloo, when gloo's thread lets go of a finished collective's buffe
 allocator peak (its collectives run asynchronously; FSDP2's wait in line) by up to a layer's
 weights from step to step.
 
-``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed]`` writes
+``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed] [--model vit]`` writes
 bench/results/memory.{json,md} (``memory_bf16_mixed.*`` with ``--mp``: both sides under FSDP2's
-``MixedPrecisionPolicy`` for that precision).
+``MixedPrecisionPolicy`` for that precision; ``memory_vit.*`` with ``--model vit``: a ViT of the
+same width fed 224-pixel images, the input path of issue 28).
 Targets (issue 22): autopar / FSDP2 <= 1.0 at both depths, growth with depth no steeper.
 """
 
@@ -52,10 +53,18 @@ CONFIGS = {
 }
 
 
-def build(layers: int) -> torch.nn.Module:
+IMAGE, PATCH, CLASSES = 224, 16, 1000  # --model vit: 197 tokens an image, an ImageNet head
+
+
+def build(layers: int, model: str = "llama") -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
+    if model == "vit":
+        cfg = tf.ViTConfig(image_size=IMAGE, patch_size=PATCH, hidden_size=HIDDEN, intermediate_size=FFN,
+                           num_hidden_layers=layers, num_attention_heads=HEADS, num_labels=CLASSES,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        return tf.ViTForImageClassification(cfg)
     cfg = tf.LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
                          num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB,
                          max_position_embeddings=SEQ, use_cache=False, attn_implementation="sdpa")
@@ -88,24 +97,27 @@ def fsdp2_model(model: torch.nn.Module, world: int, tp: int, mp_policy=None) -> 
         parallelize_module,
     )
 
+    from autopar.capture import find_layers
+
     dp = world // tp
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    blocks = [model.get_submodule(n) for n in find_layers(model)]
     if tp > 1:
         plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
         plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel(),
                      "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel()})
-        for layer in model.model.layers:
+        for layer in blocks:
             parallelize_module(layer, mesh["tp"], plan)
     kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    for layer in model.model.layers:
+    for layer in blocks:
         fully_shard(layer, mesh=mesh["dp"], **kw)
     fully_shard(model, mesh=mesh["dp"], **kw)
     return model
 
 
 def _side_by_side(ids, tgt, pm, ref, dp_rank: int, dp: int):
-    """The two sides' step functions: autopar's ``step`` of the global batch, FSDP2's forward and
-    backward of this data-parallel rank's share."""
+    """The two sides' step functions: autopar's ``step`` of the global batch (token ids or
+    images), FSDP2's forward and backward of this data-parallel rank's share."""
     from autopar.capture import default_loss
 
     sl = slice(dp_rank * (BATCH // dp), (dp_rank + 1) * (BATCH // dp))
@@ -125,16 +137,19 @@ def _clear(sides) -> None:
     gc.collect()
 
 
-def _setup(world: int, name: str, layers: int, compile: bool, mp: str):
+def _setup(world: int, name: str, layers: int, compile: bool, mp: str, model: str):
     """autopar's compiled model and FSDP2's, of the same weights, and the batch."""
     import autopar
 
     _, pins = CONFIGS[name]
     tp = pins.get("tp", 1)
     dp = world // tp
-    base = build(layers)
+    base = build(layers, model)
     g = torch.Generator().manual_seed(0)
-    ids, tgt = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    if model == "vit":
+        ids, tgt = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+    else:
+        ids, tgt = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
     t0 = time.perf_counter()
     policy = None
     if mp:
@@ -151,7 +166,7 @@ def _setup(world: int, name: str, layers: int, compile: bool, mp: str):
     return ids, tgt, pm, ref, dp, setup
 
 
-def _fake(_rank: int, _world: int, _port: int, name: str, layers: int, compile: bool, mp: str) -> dict:
+def _fake(_rank: int, _world: int, _port: int, name: str, layers: int, compile: bool, mp: str, model: str) -> dict:
     """The allocator's peak of both sides on the fake process group (rank 0 of the world)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -161,7 +176,7 @@ def _fake(_rank: int, _world: int, _port: int, name: str, layers: int, compile: 
     world = CONFIGS[name][0]
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    ids, tgt, pm, ref, dp, _ = _setup(world, name, layers, compile, mp)
+    ids, tgt, pm, ref, dp, _ = _setup(world, name, layers, compile, mp, model)
     sides = _side_by_side(ids, tgt, pm, ref, pm._dp_rank, dp)
     out = {}
     for side, (fn, _) in sides.items():
@@ -174,12 +189,12 @@ def _fake(_rank: int, _world: int, _port: int, name: str, layers: int, compile: 
     return out
 
 
-def _run(name, layers, steps, compile, mp) -> dict:
+def _run(name, layers, steps, compile, mp, model) -> dict:
     """One rank's measurements on gloo (``launch.run`` made the process group and ends it)."""
     world = dist.get_world_size()
     from autopar import memory
 
-    ids, tgt, pm, ref, dp, setup = _setup(world, name, layers, compile, mp)
+    ids, tgt, pm, ref, dp, setup = _setup(world, name, layers, compile, mp, model)
     sides = _side_by_side(ids, tgt, pm, ref, pm._dp_rank, dp)
     out = {"name": name, "layers": layers, "plan": pm.plan.as_config_string(), "autopar_setup_s": setup}
     losses, times = {}, {k: [] for k in sides}
@@ -220,6 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--mp", default="", help="a mixed precision for both sides (e.g. bf16-mixed; default: fp32)")
+    ap.add_argument("--model", default="llama", choices=("llama", "vit"),
+                    help="vit: HF ViT of the same width, 224-pixel images in 16-pixel patches, 1,000 classes")
     args = ap.parse_args(argv)
     # Freed large blocks go back to the system, so the resident peak is the step's (PLATFORM.md).
     os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
@@ -230,8 +247,8 @@ def main(argv=None) -> int:
     for name in [n for n in CONFIGS if not args.only or n in args.only.split(",")]:
         for layers in map(int, args.layers.split(",")):
             world = CONFIGS[name][0]
-            per = launch.run(world, "gloo", _run, name, layers, args.steps, not args.no_compile, args.mp)
-            fake = launch.spawn(1, _fake, name, layers, not args.no_compile, args.mp)
+            per = launch.run(world, "gloo", _run, name, layers, args.steps, not args.no_compile, args.mp, args.model)
+            fake = launch.spawn(1, _fake, name, layers, not args.no_compile, args.mp, args.model)
             if fake.failures or not fake.results[0]:
                 print(fake.failures[0].message if fake.failures else f"fake group: no result {fake.exitcodes}",
                       file=sys.stderr)
@@ -249,15 +266,19 @@ def main(argv=None) -> int:
             row["time_ratio"] = row["autopar_s"] / row["fsdp2_s"]
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             rows.append(row)
-    summary = {"model": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, fp32 parameters",
+    vit = args.model == "vit"
+    summary = {"model": (f"HF ViT hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, {IMAGE} px / {PATCH} px patches, "
+                         f"{CLASSES} classes" if vit else f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, "
+                         f"vocab {VOCAB}") + ", fp32 parameters",
                "precision": args.mp or "fp32",
-               "batch": f"{BATCH} x {SEQ} global, one microbatch per rank", "compiled": not args.no_compile,
+               "batch": f"{BATCH} x {(IMAGE // PATCH) ** 2 + 1 if vit else SEQ} tokens global, one microbatch per rank",
+               "compiled": not args.no_compile,
                "alternative": "FSDP2 fully_shard per block + root, eager (DTensor TP inside for tp2_fsdp2)",
                "max alloc ratio": f"{max(r['alloc_ratio'] for r in rows):.3f} (target <= 1.0)",
                "max fake-group alloc ratio": f"{max(r['fake_ratio'] for r in rows):.3f} (target <= 1.0)",
                "max resident ratio": f"{max(r['rss_ratio'] for r in rows):.3f} (target <= 1.0)"}
     partial = bool(args.only) or args.layers != "8,16"
-    stem = "memory" + (f"_{args.mp.replace('-', '_')}" if args.mp else "")
+    stem = "memory" + ("_vit" if vit else "") + (f"_{args.mp.replace('-', '_')}" if args.mp else "")
     write(stem + "_partial" if partial else stem, rows, summary,
           ["name", "layers", "plan", "autopar_fake_mib", "fsdp2_fake_mib", "fake_ratio", "liveness_fake_mib",
            "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_alloc_gloo_mib",
