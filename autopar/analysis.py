@@ -63,7 +63,7 @@ class Linear:
     heads: int | None = None  # heads in the output (column) when reshaped to (n, d)
     partners: tuple[str, ...] = ()  # for a row linear: its column linears (weight names)
     transposed_storage: bool = True  # weight stored (out, in) as nn.Linear; False for Conv1D
-    fused: bool = False  # output split into several tensors (fused QKV): split in interleaved parts
+    parts: int = 1  # a fused column's equal parts (q, k, v), split in interleaved parts
 
 
 @dataclass
@@ -182,6 +182,9 @@ class ModelProfile:
     module_types: dict[str, str] = field(default_factory=dict)
     outside_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     outside_segments: dict[str, str] = field(default_factory=dict)  # module -> "pre" | "post"
+    # Every repeated layer in the order the model runs them (an encoder's before a decoder's,
+    # which sorting their names would not give); empty in profiles made before it was recorded.
+    layers: tuple[str, ...] = ()
     _layer_seq: list | None = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
@@ -207,9 +210,13 @@ class ModelProfile:
     def layer_sequence(self) -> list[BlockProfile]:
         """Block profiles in model order (one entry per layer)."""
         if self._layer_seq is None:
-            order = sorted(((fqn_index(f), i) for i, b in enumerate(self.blocks) for f in b.fqns))
-            self._layer_seq = [self.blocks[i] for _, i in order]
+            kind = {f: b for b in self.blocks for f in b.fqns}
+            self._layer_seq = [kind[f] for f in self.layer_fqns()]
         return self._layer_seq
+
+    def layer_fqns(self) -> list[str]:
+        """The repeated layers' module paths in model order."""
+        return list(self.layers) or sorted((f for b in self.blocks for f in b.fqns), key=fqn_index)
 
     def tp_divisors(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -326,7 +333,7 @@ def _block_linears(bt: BlockTrace, found) -> tuple[dict[str, Linear], dict[str, 
         lin.transposed_storage = tuple(shape) == (out_f, in_f)
         if gl.role in ("column", "row"):
             lin.role = gl.role
-        lin.fused = gl.role == "column" and gl.parts > 1  # split in interleaved parts (q, k, v)
+        lin.parts = gl.parts if gl.role == "column" else 1
         if gl.bias is not None:
             bias_of[lin.node] = bt.param_names[gl.bias]
     tp_nodes: set[str] = set()
@@ -353,6 +360,8 @@ def _find_heads(linears: dict[str, Linear], nodes: dict) -> None:
                         continue
                     v = _val(un)
                     n = _leading_feature_dim(v, l.out_features) if v is not None else None
+                    if n is not None and n == l.parts > 1:  # stacked parts: (q k v, heads, head dim)
+                        n = _leading_feature_dim(v, l.out_features // l.parts)
                     if n is not None:
                         l.heads = n
                         break
@@ -695,7 +704,7 @@ def analyze(trace: ModelTrace) -> ModelProfile:
     return ModelProfile(
         name=trace.name, fingerprint=fp, seq_len=trace.seq_len,
         dtype_bytes=torch.tensor([], dtype=trace.dtype).element_size(), hidden=hidden, vocab=vocab,
-        blocks=blocks, pre=pre, post=post, block_container=trace.block_container,
+        blocks=blocks, pre=pre, post=post, block_container=trace.block_container, layers=trace.layers,
         n_params=n_params, tied=trace.tied, module_types=trace.module_types,
         outside_params={n: shape for n, (shape, owner) in trace.params.items() if owner == "outside"},
         outside_segments={n.rsplit(".", 1)[0]: ("pre" if _is_before_blocks(n, trace) else "post")

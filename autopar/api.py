@@ -400,7 +400,7 @@ def _summary(ctx: CostContext, e: Estimate) -> dict:
 
 def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up=(), schedules=()) -> Plan:
     m, cfg, a = ctx.model, e.config, e.assignment
-    fqns = [f for _, f in sorted((analysis.fqn_index(f), f) for b in m.blocks for f in b.fqns)]
+    fqns = m.layer_fqns()
     layers = [LayerPlan(f, r, c, ac) for f, (r, c, ac) in zip(fqns, layer_placement(a, cfg.pp, cfg.v, cfg.schedule))]
     rules = shard_rules(m)
     runners = tuple(

@@ -233,38 +233,73 @@ def trace_model(
 # The training step as one graph (what the executor runs)
 # --------------------------------------------------------------------------------------------
 def find_layers(model: nn.Module) -> list[str]:
-    """The repeated layers of ``model``, in call order of their names: the largest group (by
-    parameters) of at least two modules that share a class and parameter shapes and do not nest.
-    Found from the modules themselves, whatever holds them (a ModuleList, a ModuleDict, plain
-    attributes)."""
-    groups: dict[str, list[str]] = {}
-    sizes: dict[str, int] = {}
+    """The repeated layers of ``model``, in the order their modules are registered (the order
+    they run in a model built as a sequence of stacks). A *kind* of layer is a group of at least
+    two modules that share a class and parameter shapes and do not nest, lifted to the modules
+    of one class that enclose them one each (``_lift``) and widened to the modules of its class
+    beside them in their container (DeepSeek's first dense layers before the MoE ones; T5's first
+    block, which holds the position bias). The largest kind (by the repeated modules' parameters)
+    is taken, and every
+    other kind that is a container's whole sequence of blocks outside it (BART's and T5's
+    encoder layers beside the decoder's, a vision tower beside a text one). Found from the
+    modules themselves, whatever holds them (a ModuleList, a ModuleDict, plain attributes)."""
     mods = dict(model.named_modules())
+    groups: dict[str, list[str]] = {}
     for name, mod in mods.items():
-        if not name or not any(True for _ in mod.parameters()):
-            continue
-        sig = layer_signature(mod)
-        groups.setdefault(sig, []).append(name)
-        sizes[sig] = sum(p.numel() for p in mod.parameters())
-    best: tuple[int, int, list[str]] = (0, 0, [])
-    for sig, names in groups.items():
+        if name and any(True for _ in mod.parameters()):
+            groups.setdefault(layer_signature(mod), []).append(name)
+    kinds = []
+    for names in groups.values():
         inside = set(names)  # drop the ones nested in another of the group
         names = [n for n in names if not any(".".join(n.split(".")[:k]) in inside for k in range(1, n.count(".") + 1))]
-        if len(names) < 2:
-            continue
-        key = (sizes[sig] * len(names), -len(names))
-        if key > best[:2]:
-            best = (*key, names)
-    # The same class beside them in their container is a layer too, with other shapes (DeepSeek's
-    # first dense layers before the MoE ones): the layer sequence is the container's.
-    chosen = set(best[2])
-    parents = {n.rpartition(".")[0] for n in chosen}
-    classes = {type(mods[n]).__name__ for n in chosen}
-    if len(parents) == 1:
-        (parent,) = parents
-        chosen |= {n for n, m in mods.items() if n and n.rpartition(".")[0] == parent and type(m).__name__ in classes
-                   and any(True for _ in m.parameters())}
+        if len(names) >= 2:  # ranked by the repeated modules' own parameters, before lifting
+            size = sum(p.numel() for n in names for p in mods[n].parameters())
+            kinds.append((size, -len(names), _beside(_lift(names, mods), mods)))
+    if not kinds:
+        return []
+    kinds.sort(key=lambda k: k[:2], reverse=True)
+    chosen = set(kinds[0][2])
+    for _, _, kind in kinds[1:]:
+        if _is_stack(kind, mods) and not any(_nests(a, b) or _nests(b, a) for a in kind for b in chosen):
+            chosen |= kind
     return [n for n in mods if n in chosen]
+
+
+def _nests(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer + ".")
+
+
+def _lift(names: list[str], mods: dict) -> list[str]:
+    """The repeated modules' enclosing layers: while each sits in its own module, all of one
+    class, take those (ModernBERT's first layer has no attention norm, so only its MLPs repeat
+    exactly; T5's blocks differ, their feed-forward sublayers do not)."""
+    while True:
+        up = [n.rpartition(".")[0] for n in names]
+        if not all(up) or len(set(up)) < len(up) or len({type(mods[u]).__name__ for u in up}) > 1:
+            return names
+        names = up
+
+
+def _beside(names: list[str], mods: dict) -> set[str]:
+    """``names`` with the modules of their classes beside them in their one container."""
+    parents = {n.rpartition(".")[0] for n in names}
+    classes = {type(mods[n]).__name__ for n in names}
+    if len(parents) > 1:
+        return set(names)
+    (parent,) = parents
+    return set(names) | {n for n, m in mods.items() if n and n.rpartition(".")[0] == parent
+                         and type(m).__name__ in classes and any(True for _ in m.parameters())}
+
+
+def _is_stack(kind: set[str], mods: dict) -> bool:
+    """A kind that is every block of its container (a ModuleList of encoder layers), each block
+    holding at least two weight matrices (not a list of norms or of single projections)."""
+    parents = {n.rpartition(".")[0] for n in kind}
+    if len(parents) != 1:
+        return False
+    (parent,) = parents
+    children = {n for n in mods if n and n.rpartition(".")[0] == parent and any(True for _ in mods[n].parameters())}
+    return children == kind and all(sum(p.dim() >= 2 for p in mods[n].parameters()) >= 2 for n in kind)
 
 
 @dataclass

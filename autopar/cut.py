@@ -85,6 +85,7 @@ class ModelTrace:
     capture_s: float = 0.0
     fingerprint_src: str = ""
     extras: dict = field(default_factory=dict)
+    layers: tuple[str, ...] = ()  # every repeated layer, in the order the model runs them
 
 
 def _container(layers: list[str]) -> str:
@@ -157,7 +158,7 @@ def for_analysis(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_
     fp_src = repr(sorted((k, v[0]) for k, v in params.items())) + repr(sorted(set(module_types.values())))
     return ModelTrace(
         name=name, batch=batch, seq_len=seq_len, dtype=dtype, blocks=blocks,
-        block_container=_container(sg.layers), ops=ops, saved=saved, params=params, tied=tied,
+        block_container=_container(sg.layers), layers=tuple(sg.layers), ops=ops, saved=saved, params=params, tied=tied,
         module_types=module_types, capture_s=time.perf_counter() - t0, fingerprint_src=fp_src,
         extras={"vocab_size": vocab_size},
     )

@@ -127,6 +127,9 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
             elif u.target in FEATURE_VIEWS and isinstance(v, torch.Tensor) and v.dim() > x.meta["val"].dim():
                 # The features viewed as (A, B, ...) (heads, or groups of heads): TP gives each rank a
                 # contiguous range of A, right when every index of A is treated alike.
+                stacked = _stacked_parts(u, x.meta["val"].dim() - 1)
+                if stacked:
+                    return stacked, ""
                 reason = _head_view_reason(u, x.meta["val"].dim() - 1)
                 if reason:
                     return 1, reason
@@ -148,10 +151,36 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
     return 1, ""
 
 
+def _stacked_parts(view: torch.fx.Node, d: int) -> int:
+    """A column's features viewed as (A, heads, head_dim) with ``A`` leading at dim ``d`` and
+    unbound along it, possibly after transposes (ModernBERT's ``Wqkv(x).view(B, S, 3, H, D)
+    .transpose(3, 1).unbind(2)``): ``A`` stacked equal parts (q, k, v), as if split. 0 if not."""
+    a = view.meta["val"].shape[d]
+    frontier, found = [(view, d)], False
+    while frontier:
+        x, dim = frontier.pop()
+        for u in x.users:
+            if u.op != "call_function":
+                return 0
+            nd = u.meta["val"].dim() if isinstance(u.meta.get("val"), torch.Tensor) else x.meta["val"].dim()
+            if u.target == _aten.transpose.int:
+                d0, d1 = (i % nd for i in u.args[1:3])
+                frontier.append((u, d1 if dim == d0 else d0 if dim == d1 else dim))
+            elif u.target == _aten.permute.default:
+                frontier.append((u, [i % nd for i in u.args[1]].index(dim)))
+            elif u.target in (_aten.clone.default, _aten.contiguous.default, _aten._to_copy.default):
+                frontier.append((u, dim))
+            elif u.target == _aten.unbind.int and (u.args[1] if len(u.args) > 1 else 0) % nd == dim and a > 1:
+                found = True
+            else:
+                return 0
+    return a if found else 0
+
+
 def _head_view_reason(view: torch.fx.Node, d: int) -> str:
     """A column's features viewed with dim ``d`` leading them: indexing along ``d`` (Falcon's
     multi-query ``qkv[..., :-2, :]`` and ``qkv[..., [-2], :]``: one K and one V head shared by all
-    query heads; an unbind of stacked q, k, v) treats its entries differently, and no contiguous
+    query heads) treats its entries differently, and no contiguous
     range of them is a rank's share: replicated, with the reason."""
     a = view.meta["val"].shape[d]
     for u in view.users:

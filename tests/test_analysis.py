@@ -156,6 +156,10 @@ def test_hf_gpt2_fused_qkv_is_a_column():
                   "self_attn.o_proj.weight": ("row", 0, 1)}),
     ("hf-roberta", {"attention.self.query.weight": ("column", 0, 1), "attention.output.dense.weight": ("row", 0, 1),
                     "intermediate.dense.weight": ("column", 0, 1), "output.dense.weight": ("row", 0, 1)}),
+    # ModernBERT views its fused Wqkv as (3, heads, head dim), transposes and unbinds the 3:
+    # stacked q, k, v, split in 3 interleaved parts as if split along the features.
+    ("hf-modernbert", {"attn.Wqkv.weight": ("column", 0, 3), "attn.Wo.weight": ("row", 0, 1),
+                       "mlp.Wi.weight": ("column", 0, 2), "mlp.Wo.weight": ("row", 0, 1)}),
 ])
 def test_step_roles_by_data_flow(kind, want):
     """The executor's roles from the traced step: fused projections split into their equal parts

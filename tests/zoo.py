@@ -90,6 +90,13 @@ def _hf(kind: str, **overrides) -> nn.Module:
                                type_vocab_size=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                **{**common, "max_position_embeddings": 66})  # positions start after the padding id
         cls = tf.RobertaForMaskedLM
+    elif kind == "hf-modernbert":  # an encoder: fused Wqkv viewed as stacked (3, heads, head_dim), local and
+        # global attention layers, gated MLP, no biases, masked-LM head tied
+        cfg = tf.ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=8, max_position_embeddings=64, global_attn_every_n_layers=2,
+                                  local_attention=16, embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0,
+                                  pad_token_id=0)
+        cls = tf.ModernBertForMaskedLM
     elif kind == "hf-bart":  # encoder-decoder: cross-attention, learned positions, tied embeddings and head
         cfg = tf.BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=8,
                             decoder_attention_heads=8, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0,

@@ -8,7 +8,8 @@ propagation, and the shapes baked into the graph (views, expands, head counts) a
 that DTensor turns into local ones. At the nodes the TP rules name, the value is redistributed
 (column inputs gathered once, row outputs reduced to the residual placement, the logits
 gathered). A fused projection's output, split into its equal parts (``split``/``chunk``/``slice``
-of an interleaved ``_StridedShard``), is split locally: each part is then an ordinary ``Shard``.
+of an interleaved ``_StridedShard``, or its view as stacked parts), is split locally: each part
+is then an ordinary ``Shard``.
 The gradients are taken by autograd, through DTensor, inside the same trace, so the result is
 one joint graph ``(primals, tangents) -> (outputs, gradients)`` on local tensors with every
 collective an explicit ``_c10d_functional`` op.
@@ -100,6 +101,25 @@ def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh) -> list | N
             for c, v in zip(local.chunk(parts, dim), n.meta["val"])]
 
 
+def _local_view(x: DTensor, n: torch.fx.Node, tp_mesh):
+    """View an interleaved (``_StridedShard``) fused output as its stacked parts, (..., A, heads,
+    head_dim) with ``A`` the parts at the sharded dim: each rank's shard holds its heads of every
+    part, so the local view is the same with heads divided, sharded on the heads dim."""
+    p = x.placements[0]
+    if not isinstance(p, _StridedShard):
+        return None
+    v = n.meta["val"]
+    dim = p.dim % x.dim()
+    tp = tp_mesh.size()
+    if (tuple(v.shape[:dim]) != tuple(x.shape[:dim]) or v.dim() < dim + 3 or v.shape[dim] != p.split_factor
+            or v.shape[dim + 1] % tp):
+        return None
+    local = list(v.shape)
+    local[dim + 1] //= tp
+    return DTensor.from_local(x.to_local().contiguous().view(local), tp_mesh, [Shard(dim + 1)], run_check=False,
+                              shape=v.shape, stride=_contiguous_stride(v.shape))
+
+
 def _contiguous_stride(shape) -> tuple:
     return torch.empty(shape, device="meta").stride()
 
@@ -184,7 +204,9 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
                     out = _local_split(args[0], n, args, tp_mesh)
                 elif n.target == _aten.slice.Tensor:
                     out = _local_slice(args[0], n, args, tp_mesh)
-                elif n.target == _aten.view.default and not args[0].to_local().is_contiguous():
+                elif n.target in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
+                    out = _local_view(args[0], n, tp_mesh)
+                if out is None and n.target == _aten.view.default and not args[0].to_local().is_contiguous():
                     # The traced kernel's output strides allowed a view; the replayed local shard
                     # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
                     out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)

@@ -60,14 +60,26 @@ def _stage_of_nodes(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -
                 stage[n] = max(upstream)
             else:
                 pending.append(n)  # reads parameters only (an embedding lookup)
+
+    def use_stages(n) -> list[int]:  # through the getitems of a multi-output op (a layer norm's)
+        return [s for u in n.users for s in ([stage[u]] if u in stage else use_stages(u) if _is_getitem(u) else [])]
+
     for n in reversed(pending):
-        users = [stage[u] for u in n.users if u in stage]
-        stage[n] = min(users) if users else 0
+        if not _is_getitem(n):
+            users = use_stages(n)
+            stage[n] = min(users) if users else 0
+    for n in pending:
+        if _is_getitem(n):  # with its op, also where only its other outputs are used
+            stage[n] = stage[n.args[0]]
     (out,) = gm.graph.find_nodes(op="output")
     for a in out.all_input_nodes:
         if a in stage and stage[a] != n_stages - 1:
             raise AutoparError("the model's output is computed before the last pipeline stage")
     return stage, free
+
+
+def _is_getitem(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and n.target is operator.getitem
 
 
 def pipeline_split(sg: StepGraph, plan, ctx) -> list:
