@@ -23,6 +23,7 @@ over ATen graphs every stage shares (op names and sets, FLOPs, tied parameters) 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -170,6 +171,23 @@ def _trace_error(e: Exception, what: str, advice: str | None = None) -> TraceErr
     return TraceError(f"cannot trace {what}{where}: {type(e).__name__}: {e}. {advice}")
 
 
+@contextlib.contextmanager
+def no_init():
+    """``torch.nn.init``'s in-place initialisers as no-ops: on fake tensors values do not exist,
+    and some initialisers decide on them (a truncated normal redraws out-of-range samples:
+    ViT's and ModernBERT's weights)."""
+    import torch.nn.init as init
+
+    kept = {k: v for k, v in vars(init).items() if k.endswith("_") and not k.startswith("_") and callable(v)}
+    try:
+        for k in kept:
+            setattr(init, k, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for k, v in kept.items():
+            setattr(init, k, v)
+
+
 def trace_model(
     build_or_model: Callable[[], nn.Module] | nn.Module,
     *,
@@ -190,7 +208,7 @@ def trace_model(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     prev = torch.get_default_dtype()
     try:
-        with mode:
+        with mode, no_init():
             torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
             model = build_or_model() if not isinstance(build_or_model, nn.Module) else build_or_model
     except Exception as e:

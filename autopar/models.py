@@ -378,12 +378,9 @@ def _hf_source(path: str) -> ModelSource:
         if hasattr(cfg, "use_cache"):
             cfg.use_cache = False
         cfg._attn_implementation = attn
-        if image:  # initialisation skipped: ViT's truncated normal decides on values, which fake tensors lack
-            from transformers.modeling_utils import no_init_weights
-
-            with no_init_weights():
-                return transformers.AutoModelForImageClassification.from_config(cfg, attn_implementation=attn)
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+        auto = "AutoModelForImageClassification" if image else _LM_AUTO[meta.get("task", "causal")]
+        model = getattr(transformers, auto).from_config(cfg, attn_implementation=attn)
+        return SameIds(model) if meta.get("task") == "seq2seq" else model
 
     # The model's own name where the config has one (a hub id), else the file's: its directory
     # for a config.json, the file name for any other.
@@ -431,20 +428,59 @@ def _hf_meta(path: str, raw: dict) -> dict:
         return {"model_type": cfg.model_type, "seq_len": None, "vocab_size": cfg.num_labels,
                 "attn": "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager",
                 "image": [getattr(cfg, "num_channels", 3), *size], "notes": []}
-    if not hasattr(cfg, "vocab_size") or type(cfg) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and \
-            not getattr(cfg, "is_encoder_decoder", False):
+    task = _lm_task(transformers, cfg)
+    if task is None:
         raise AutoparError(
-            f"{path}: a {cfg.model_type} config is neither a language model's nor an image classifier's in "
-            f"transformers {transformers.__version__}, which is what autopar plans from a config file; plan it "
-            "from the module and one batch of its inputs: autopar.plan(model, gpus, example_inputs=(...))")
+            f"{path}: a {cfg.model_type} config is neither a language model's (causal, masked or "
+            f"encoder-decoder) nor an image classifier's in transformers {transformers.__version__}, which is "
+            "what autopar plans from a config file; plan it from the module and one batch of its inputs: "
+            "autopar.plan(model, gpus, example_inputs=(...))")
     notes = _shape_fields(path, raw, cfg)
-    # SDPA (the fused kernel) where transformers has it for the family; GPT-J and BLOOM have only
-    # their eager attention, which is what their users run.
-    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if task == "seq2seq":
+        notes += ("an encoder-decoder: the same token ids into the encoder and the decoder (one sequence length)",)
+    # SDPA (the fused kernel) where transformers has it for the family; GPT-J, BLOOM and T5 have
+    # only their eager attention, which is what their users run.
+    cls = _LM_MAPPINGS[task](transformers).get(type(cfg), None)
     attn = "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
     seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     return {"model_type": cfg.model_type, "seq_len": seq, "vocab_size": cfg.vocab_size, "attn": attn,
-            "notes": list(notes)}
+            "notes": list(notes), "task": task}
+
+
+# The language-model tasks a config is built for, by transformers' auto class (mapping, class).
+_LM_MAPPINGS = {
+    "causal": lambda tf: tf.MODEL_FOR_CAUSAL_LM_MAPPING,
+    "masked": lambda tf: tf.MODEL_FOR_MASKED_LM_MAPPING,
+    "seq2seq": lambda tf: tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+}
+_LM_AUTO = {"causal": "AutoModelForCausalLM", "masked": "AutoModelForMaskedLM", "seq2seq": "AutoModelForSeq2SeqLM"}
+
+
+def _lm_task(tf, cfg) -> str | None:
+    """What a text config is trained as: an encoder-decoder; an encoder (a family with a masked-LM
+    head and no causal flag: BERT, RoBERTa, ModernBERT, whose causal-LM classes are for
+    fine-tuning as decoders); else a decoder; None for none of them."""
+    if not hasattr(cfg, "vocab_size"):
+        return None
+    if getattr(cfg, "is_encoder_decoder", False) and type(cfg) in tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+        return "seq2seq"
+    if type(cfg) in tf.MODEL_FOR_MASKED_LM_MAPPING and not getattr(cfg, "is_decoder", False):
+        return "masked"
+    if type(cfg) in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        return "causal"
+    return None
+
+
+class SameIds(nn.Module):
+    """An encoder-decoder trained on token ids as one sequence: the same ids into the encoder and
+    the decoder (how autopar plans an encoder-decoder config: one sequence length for both)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, decoder_input_ids=ids).logits
 
 
 DEFAULT_SEQ_LEN = 4096

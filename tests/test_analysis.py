@@ -116,7 +116,7 @@ def test_hf_gpt2_fused_qkv_is_a_column():
     lin = {l.weight: l for l in b.linears}
     # The executor splits a fused projection in interleaved parts and Conv1D (in, out) weights
     # along their output dim: both are columns for the planner too.
-    assert lin["attn.c_attn.weight"].fused and lin["attn.c_attn.weight"].role == "column"
+    assert lin["attn.c_attn.weight"].parts == 3 and lin["attn.c_attn.weight"].role == "column"
     assert sorted(l.role for l in lin.values()) == ["column", "column", "row", "row"]
     assert p.max_tp_check(2) == []
     # Conv1D stores (in, out): the analysis reads the orientation from the graph.
@@ -262,7 +262,8 @@ def test_attention_dropout_priced_as_the_fused_kernel(tmp_path, monkeypatch):
     assert times[0] == pytest.approx(times[1], rel=0.02), times
 
 
-@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-phi3", "hf-falcon", "custom-llama", "hf-mixtral", "gpt-tiny"])
+@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-phi3", "hf-falcon", "custom-llama", "hf-mixtral", "gpt-tiny",
+                                  "hf-modernbert"])
 def test_planner_prices_the_roles_the_executor_shards(kind):
     """One role finder: the planner's roles of a block's linears (``analyze_block``, on the block's
     graph) are the executor's (``step_roles``, on the step graph), fused projections included."""
@@ -270,12 +271,12 @@ def test_planner_prices_the_roles_the_executor_shards(kind):
 
     torch.manual_seed(0)
     prof = analysis.analyze(capture.trace_model(lambda: zoo.build(kind), batch=1, seq_len=16, vocab_size=256))
-    planned = {l.weight: (l.role, l.fused) for l in prof.blocks[0].linears}
+    planned = {l.weight: (l.role, l.parts) for l in prof.blocks[0].linears}
     sg = capture.trace_step(zoo.build(kind), (torch.zeros(2, 16, dtype=torch.long),),
                             target=torch.ones(2, 16, dtype=torch.long))
     run = {}
     for lin in step_roles(sg).linears:
         name = sg.param_names[lin.weight]
         if name.startswith(sg.layers[0] + "."):
-            run[name[len(sg.layers[0]) + 1:]] = (lin.role, lin.role == "column" and lin.parts > 1)
+            run[name[len(sg.layers[0]) + 1:]] = (lin.role, lin.parts if lin.role == "column" else 1)
     assert planned == run

@@ -72,12 +72,14 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     case("hf-qwen2-moe", "fsdp4", PLANS["fsdp4"]), case("hf-neox", "ddp4_mb1", {**PLANS["ddp4"], "mb": 1}),
     # Routed experts under TP with selective AC (backend.compile_graph: no second rematerialisation).
     case("hf-mixtral", "ac_selective_tp2_fsdp2_sp", PLANS["ac_selective_tp2_fsdp2_sp"]),
-    # Beyond decoders: an encoder-decoder as planned; an encoder with a tied masked-LM head pipelined.
-    case("hf-bart", "auto", "auto"), case("hf-roberta", "pp2_ddp2", PP4["pp2_ddp2"]),
+    # Beyond decoders: encoders with a tied masked-LM head (ModernBERT: stacked q, k, v; local and
+    # global attention layers) and encoder-decoders (two kinds of layers, cut across by the pipeline).
+    *[case(m, "auto", "auto") for m in ("hf-roberta", "hf-modernbert", "hf-bart", "hf-mt5")],
+    *[case(m, "pp2_ddp2", PP4["pp2_ddp2"]) for m in ("hf-roberta", "hf-modernbert", "hf-bart", "hf-mt5")],
     # Images in, class labels out (a patch-embedding convolution, class tokens, a 10-way head).
     case("hf-deit", "auto", "auto"), case("hf-deit", "pp2_ddp2", PP4["pp2_ddp2"]),
     # Latents, timesteps and class labels in, the noise MSE out (diffusers' DiT, adaptive layer norm).
-    case("diffusers-dit", "pp2_ddp2", PP4["pp2_ddp2"])]
+    case("diffusers-dit", "auto", "auto"), case("diffusers-dit", "pp2_ddp2", PP4["pp2_ddp2"])]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"]),
     # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).

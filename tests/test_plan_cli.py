@@ -7,8 +7,9 @@ import sys
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar import api, cli
+from autopar import api, capture, cli, models
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 
@@ -321,5 +322,41 @@ def test_an_image_classifier_config_is_planned_on_its_images(tmp_path, monkeypat
         api.plan(str(path), 8, hardware="h100", seq_len=128)
     other = tmp_path / "clip" / "config.json"
     transformers.CLIPVisionConfig().save_pretrained(other.parent)
-    with pytest.raises(AutoparError, match="neither a language model's nor an image classifier's"):
+    with pytest.raises(AutoparError, match=r"neither a language model's \(causal, masked or encoder-decoder\) nor"):
         api.plan(str(other), 8, hardware="h100")
+
+
+def test_encoder_and_encoder_decoder_configs_are_planned(tmp_path, monkeypatch):
+    """A masked-LM encoder's config is built with its masked-LM head (ModernBERT, initialised by
+    a truncated normal: skipped on fake tensors), an encoder-decoder's as the model fed the same
+    ids in both stacks: its encoder and decoder layers are both planned, in the order they run
+    (the decoder's names sort first)."""
+    import transformers
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    small = dict(vocab_size=1000, num_attention_heads=4, max_position_embeddings=256)
+    configs = {
+        "t5": transformers.T5Config(d_model=256, d_kv=64, d_ff=1024, num_layers=3, num_decoder_layers=2, num_heads=4,
+                                    vocab_size=1000),
+        "bart": transformers.BartConfig(d_model=256, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4,
+                                        decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
+                                        vocab_size=1000, max_position_embeddings=256),
+        "modernbert": transformers.ModernBertConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                                    pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=2,
+                                                    cls_token_id=1, **small),
+    }
+    built = {"t5": "T5ForConditionalGeneration", "bart": "BartForConditionalGeneration",
+             "modernbert": "ModernBertForMaskedLM"}
+    for name, cfg in configs.items():
+        cfg.save_pretrained(tmp_path / name)
+        path = str(tmp_path / name / "config.json")
+        with FakeTensorMode(), capture.no_init():
+            m = models.resolve(path).build()
+        inner = m.model if isinstance(m, models.SameIds) else m
+        assert type(inner).__name__ == built[name] and isinstance(m, models.SameIds) == (name != "modernbert")
+        p = api.plan(path, 8, hardware="h100", global_batch=64, seq_len=128)
+        fqns = [layer.fqn for layer in p.layers]
+        if name == "modernbert":
+            assert fqns == [f"model.layers.{i}" for i in range(3)]
+        else:
+            assert [f.split(".")[-3] for f in fqns] == ["encoder"] * 3 + ["decoder"] * 2, fqns
