@@ -68,13 +68,14 @@ def profile_model(
     name = type(model).__name__
     notes: tuple[str, ...] = ()
     traced_on = None  # what a source that is not a language model is traced on
+    source_loss = None  # and the loss it trains with
     if isinstance(model, models.ModelSource):
         notes = model.notes
-        if example_inputs is None and model.image:
+        if example_inputs is None and model.inputs:
             if seq_len is not None:
-                raise AutoparError(f"{model.name} takes images of {'x'.join(map(str, model.image))}: its sequence "
-                                   "is its patches, not a length to choose; leave out seq_len (--seq-len)")
-            traced_on = (torch.zeros(1, *model.image),)
+                raise AutoparError(f"{model.name} takes {model.takes}: its sequence is the patches its layers see, "
+                                   "not a length to choose; leave out seq_len (--seq-len)")
+            traced_on, source_loss = model.example(1), model.loss_fn
         elif example_inputs is None:
             seq_len, seq_notes = models.planning_seq_len(model, seq_len)
             notes += seq_notes
@@ -107,7 +108,7 @@ def profile_model(
                                                     vocab_size=vocab, t0=t0))
     elif prof is None:
         tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
-                                 loss_fn=loss_fn, name=name, example_inputs=example_inputs or traced_on,
+                                 loss_fn=loss_fn or source_loss, name=name, example_inputs=example_inputs or traced_on,
                                  example_target=example_target)
         prof = analysis.analyze(tr)
         _profile_cache_put(key, prof)

@@ -79,6 +79,12 @@ def default_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
 
 
+def noise_mse(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """A diffusion model's loss: the mean squared error of its prediction (the noise) against the
+    target, of the output's shape."""
+    return torch.nn.functional.mse_loss(logits_of(out).float(), target.float())
+
+
 def is_token_ids(t: Any) -> bool:
     """A (batch, seq) integer tensor: what a language model takes."""
     return isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in (torch.int64, torch.int32)
@@ -109,10 +115,13 @@ def output_logits(model: nn.Module, inputs: tuple) -> torch.Tensor:
 def default_target(model: nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> torch.Tensor:
     """An example target of the loss, for tracing: for token ids, ids (next-token labels); for
     other inputs (images, latents), class indices of the logits' leading shape, what
-    ``default_loss`` reads. A loss of the user's own needs its target given."""
+    ``default_loss`` reads, or for ``noise_mse`` a prediction's shape of zeros. A loss of the
+    user's own needs its target given."""
     first = inputs[0]
     if is_token_ids(first):
         return torch.zeros_like(first)
+    if loss_fn is noise_mse:
+        return torch.zeros(output_logits(model, inputs).shape, device=first.device)
     if loss_fn is not None and loss_fn is not default_loss:
         raise AutoparError(
             f"the model takes {first.dtype} inputs of shape {tuple(first.shape)}, not token ids, and the loss is "

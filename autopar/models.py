@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.capture import noise_mse
 from autopar.errors import AutoparError
 
 
@@ -265,7 +266,16 @@ class ModelSource:
     hf: bool = False
     spec: dict = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what autopar assumed about the model (shown with the plan)
-    image: tuple[int, ...] | None = None  # an image model's input per sample (channels, height, width)
+    # A model not fed token ids: each forward input's shape per sample and dtype (images; latents,
+    # timesteps, class labels), what they are in words, and the loss it trains with (None: the
+    # default cross-entropy).
+    inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+    takes: str = ""
+    loss_fn: Callable | None = None
+
+    def example(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """One batch of the inputs, zeros (planning traces shapes, not values)."""
+        return tuple(torch.zeros((batch, *shape), dtype=getattr(torch, dtype)) for shape, dtype in self.inputs)
 
 
 def _check_config_fields(path: str, raw: dict, cls: type) -> None:
@@ -337,6 +347,8 @@ def _hf_source(path: str) -> ModelSource:
                            "give the config.json of a HuggingFace model") from e
     except OSError as e:
         raise AutoparError(f"cannot read {path}: {e.strerror}") from e
+    if isinstance(raw, dict) and "_class_name" in raw and "model_type" not in raw:
+        return _diffusers_source(path, raw)
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise AutoparError(f"{path} has no 'model_type': give the config.json of a HuggingFace model "
                            "(it names its family, e.g. \"model_type\": \"llama\")")
@@ -370,6 +382,7 @@ def _hf_source(path: str) -> ModelSource:
             pass  # a read-only home: checked again next time
     attn = meta["attn"]
     image = tuple(meta["image"]) if meta.get("image") else None
+    inputs = ((image, "float32"),) if image else ()
 
     def build() -> nn.Module:
         import transformers
@@ -395,8 +408,86 @@ def _hf_source(path: str) -> ModelSource:
         hf=True,
         spec={"kind": "hf", "config": raw},
         notes=tuple(meta["notes"]),
-        image=image,
+        inputs=inputs,
+        takes=f"images of {'x'.join(map(str, image))}" if image else "",
     )
+
+
+# A text encoder's tokens a diffusion model's conditioning is planned at (CLIP's 77).
+TEXT_TOKENS = 77
+
+
+def _diffusion_inputs(cls: type, cfg: dict) -> tuple[tuple, list[str]]:
+    """The forward inputs of a diffusers transformer, per sample, from its config: the leading
+    arguments it is called with in training (latents, timestep, class labels, text conditioning),
+    up to the first it does not need. Returns ((shape, dtype) per input, their names)."""
+    import inspect
+
+    size = cfg.get("sample_size")
+    size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+    text = cfg.get("joint_attention_dim") or cfg.get("cross_attention_dim") or cfg.get("caption_channels")
+    known = {
+        "hidden_states": ((cfg.get("in_channels"), *size), "float32") if cfg.get("in_channels") and size[0] else None,
+        "timestep": ((), "float32"),
+        "class_labels": ((), "int64") if cfg.get("num_embeds_ada_norm") else None,
+        "encoder_hidden_states": ((TEXT_TOKENS, text), "float32") if text else None,
+        "pooled_projections": ((cfg["pooled_projection_dim"],), "float32") if cfg.get("pooled_projection_dim") else None,
+    }
+    params = list(inspect.signature(cls.forward).parameters.items())[1:]
+    if not params or params[0][0] != "hidden_states" or known["hidden_states"] is None:
+        raise AutoparError(f"{cls.__name__}'s config gives no latents' shape (in_channels, sample_size): plan it from "
+                           "the module: autopar.plan(model, gpus, example_inputs=(...), example_target=...)")
+    specs, names = [], []
+    for name, param in params:
+        spec = known.get(name)
+        if spec is None:
+            if param.default is inspect.Parameter.empty:
+                raise AutoparError(f"{cls.__name__}'s forward needs {name!r}, which autopar cannot make from its "
+                                   "config: plan it from the module and one batch of its inputs: "
+                                   "autopar.plan(model, gpus, example_inputs=(...), example_target=...)")
+            break
+        specs.append(spec)
+        names.append(name)
+    return tuple(specs), names
+
+
+def _diffusers_source(path: str, raw: dict) -> ModelSource:
+    """A diffusers model's config.json (``_class_name``: a transformer such as
+    ``DiTTransformer2DModel`` or ``SD3Transformer2DModel``): planned on latents of its sample size
+    with the other inputs its forward takes, trained on the noise's mean squared error."""
+    name = str(raw["_class_name"])
+    try:
+        import diffusers
+    except ImportError as e:
+        raise AutoparError(f"{path} is a diffusers config ({name}): planning it needs the 'diffusers' package "
+                           "(pip install diffusers)") from e
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "from_config")):
+        raise AutoparError(f"{path}: diffusers {diffusers.__version__} has no model class {name[:60]!r}")
+    try:  # a legacy class name that diffusers maps by the config (Transformer2DModel with DiT's norm)
+        from diffusers.models.model_loading_utils import _CLASS_REMAPPING_DICT
+
+        cls = getattr(diffusers, _CLASS_REMAPPING_DICT.get(cls.__name__, {}).get(raw.get("norm_type"), ""), cls)
+    except ImportError:  # pragma: no cover - older diffusers
+        pass
+    import inspect
+
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    inputs, names = _diffusion_inputs(cls, {**defaults, **{k: v for k, v in raw.items() if not k.startswith("_")}})
+    notes = (f"planned on {', '.join(names)} (forward inputs, zeros), the noise's mean squared error as the loss",)
+    if "encoder_hidden_states" in names:
+        notes += (f"text conditioning of {TEXT_TOKENS} tokens; plan another with autopar.plan(model, gpus, "
+                  "example_inputs=(...))",)
+
+    def build() -> nn.Module:
+        return cls.from_config(raw)
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    where = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
+    return ModelSource(name=f"diffusers:{cls.__name__}:{where}", build=build, spec={"kind": "diffusers", "config": raw},
+                       notes=notes, inputs=inputs, takes="latents of " + "x".join(map(str, inputs[0][0])),
+                       loss_fn=noise_mse)
 
 
 def _hf_meta(path: str, raw: dict) -> dict:

@@ -318,7 +318,7 @@ def test_an_image_classifier_config_is_planned_on_its_images(tmp_path, monkeypat
     cfg.save_pretrained(path.parent)
     p = api.plan(str(path), 8, hardware="h100", global_batch=256)
     assert p.seq_len == (64 // 8) ** 2 + 1 and len(p.layers) == 4
-    with pytest.raises(AutoparError, match="its sequence is its patches"):
+    with pytest.raises(AutoparError, match="its sequence is the patches its layers see"):
         api.plan(str(path), 8, hardware="h100", seq_len=128)
     other = tmp_path / "clip" / "config.json"
     transformers.CLIPVisionConfig().save_pretrained(other.parent)
@@ -360,3 +360,35 @@ def test_encoder_and_encoder_decoder_configs_are_planned(tmp_path, monkeypatch):
             assert fqns == [f"model.layers.{i}" for i in range(3)]
         else:
             assert [f.split(".")[-3] for f in fqns] == ["encoder"] * 3 + ["decoder"] * 2, fqns
+
+
+def test_a_diffusion_transformer_config_is_planned_on_its_latents(tmp_path, monkeypatch):
+    """A diffusers config.json (``_class_name``; DiT's published one names the legacy
+    ``Transformer2DModel``, which diffusers maps to ``DiTTransformer2DModel`` by its norm): planned
+    on latents of its sample size with the inputs its forward takes (timestep, class labels; SD3's
+    text conditioning and pooled projection), on the noise's mean squared error; its sequence is
+    its latent patches (a length is refused), a config without a latents' shape is refused."""
+    diffusers = pytest.importorskip("diffusers")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    dit = {"_class_name": "Transformer2DModel", "norm_type": "ada_norm_zero", "attention_head_dim": 32,
+           "num_attention_heads": 4, "in_channels": 4, "out_channels": 8, "num_layers": 3, "sample_size": 16,
+           "patch_size": 2, "num_embeds_ada_norm": 1000, "norm_elementwise_affine": False, "activation_fn": "gelu-approximate"}
+    (tmp_path / "dit").mkdir()
+    (tmp_path / "dit" / "config.json").write_text(json.dumps(dit))
+    sd3 = diffusers.SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=32,
+                                          num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=128,
+                                          pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16)
+    sd3.save_config(tmp_path / "sd3")
+    for name, inputs in (("dit", "hidden_states, timestep, class_labels"),
+                         ("sd3", "hidden_states, encoder_hidden_states, pooled_projections, timestep")):
+        path = str(tmp_path / name / "config.json")
+        src = models.resolve(path)
+        assert src.loss_fn is capture.noise_mse and src.notes[0].startswith(f"planned on {inputs} ")
+        p = api.plan(path, 8, hardware="h100", global_batch=64)
+        assert p.seq_len == (16 // 2) ** 2 and len(p.layers) == 3, (name, p.seq_len, [l.fqn for l in p.layers])
+        with pytest.raises(AutoparError, match="latents of 4x16x16: its sequence is the patches"):
+            api.plan(path, 8, hardware="h100", seq_len=128)
+    (tmp_path / "flux").mkdir()
+    (tmp_path / "flux" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel", "num_layers": 1}))
+    with pytest.raises(AutoparError, match="gives no latents' shape"):
+        api.plan(str(tmp_path / "flux" / "config.json"), 8, hardware="h100")
