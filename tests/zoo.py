@@ -284,19 +284,12 @@ def _dit() -> nn.Module:
     return model
 
 
-def noise_loss(out, target: torch.Tensor) -> torch.Tensor:
-    """A diffusion model's loss: the mean squared error of the predicted noise."""
-    from autopar.capture import logits_of
-
-    return F.mse_loss(logits_of(out).float(), target.float())
-
-
 def loss_of(kind: str):
     """The loss ``kind`` trains with: the noise MSE for the diffusion transformer, else autopar's
     default (cross-entropy over the logits' last dim)."""
-    from autopar.capture import default_loss
+    from autopar.capture import default_loss, noise_mse
 
-    return noise_loss if kind.startswith("diffusers-dit") else default_loss
+    return noise_mse if kind.startswith("diffusers-dit") else default_loss
 
 
 def example(kind: str, seed: int, B: int = 8, S: int = 32) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
