@@ -52,8 +52,9 @@ def plan_json(p: Plan) -> dict:
 
 
 def _layer_rows(p: Plan):
-    """Consecutive layers with the same stage, chunk and AC mode, collapsed into one row."""
-    for (stage, chunk, ac), grp in groupby(p.layers, key=lambda l: (l.stage, l.chunk, l.ac)):
+    """Consecutive layers of one stack (an encoder's, a decoder's) with the same stage, chunk and
+    AC mode, collapsed into one row."""
+    for (stage, chunk, ac, _), grp in groupby(p.layers, key=lambda l: (l.stage, l.chunk, l.ac, l.fqn.rsplit(".", 1)[0])):
         g = list(grp)
         name = g[0].fqn if len(g) == 1 else f"{g[0].fqn} .. {g[-1].fqn.rsplit('.', 1)[-1]}"
         yield name, len(g), stage, chunk, ac

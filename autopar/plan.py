@@ -295,7 +295,7 @@ class Plan:
             if x == y:
                 continue
             change = (f"{x.stage}/{x.chunk}/{x.ac}", f"{y.stage}/{y.chunk}/{y.ac}")
-            if runs and runs[-1][2] == change and runs[-1][1] is not None:
+            if runs and runs[-1][2] == change and runs[-1][1].rsplit(".", 1)[0] == y.fqn.rsplit(".", 1)[0]:
                 runs[-1][1] = y.fqn
             else:
                 runs.append([x.fqn, x.fqn, change])

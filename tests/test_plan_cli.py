@@ -1,5 +1,6 @@
 """Plan JSON round trip and checks; the CLI's output and errors."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar import api, capture, cli, models
+from autopar import api, capture, cli, explain, models
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 
@@ -360,6 +361,10 @@ def test_encoder_and_encoder_decoder_configs_are_planned(tmp_path, monkeypatch):
             assert fqns == [f"model.layers.{i}" for i in range(3)]
         else:
             assert [f.split(".")[-3] for f in fqns] == ["encoder"] * 3 + ["decoder"] * 2, fqns
+            text = explain.render(dataclasses.replace(p, layers=tuple(dataclasses.replace(x, stage=0, chunk=0)
+                                                                      for x in p.layers)), width=200)
+            assert "encoder.block.0 .. 2 │ 3" in text.replace("layers.", "block.") and \
+                "decoder.block.0 .. 1 │ 2" in text.replace("layers.", "block."), text  # one row per stack
 
 
 def test_a_diffusion_transformer_config_is_planned_on_its_latents(tmp_path, monkeypatch):

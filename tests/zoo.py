@@ -10,7 +10,7 @@ import torch.nn.functional as F
 VOCAB = 256
 IMAGE = (3, 32, 32)  # channels, height, width of the vision models' inputs
 CLASSES = 10
-VISION = ("hf-deit", "hf-vit")
+VISION = ("hf-deit", "hf-vit", "hf-swin")
 DROPOUT_OFF = {"attention_dropout": 0.0}
 
 
@@ -116,12 +116,17 @@ def _hf(kind: str, **overrides) -> nn.Module:
                            num_hidden_layers=2, num_attention_heads=8, intermediate_size=128, num_labels=CLASSES,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         cls = tf.ViTForImageClassification
+    elif kind == "hf-swin":  # images in stages of different widths (two kinds of layers), shifted windows
+        cfg = tf.SwinConfig(image_size=IMAGE[1], patch_size=2, num_channels=IMAGE[0], embed_dim=32, depths=[2, 2],
+                            num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=CLASSES)
+        cls = tf.SwinForImageClassification
     else:
         raise KeyError(kind)
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    # GPT-J and BLOOM have no SDPA path in transformers; their eager attention is what users run.
-    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom", "hf-mt5") else "sdpa"
+    # GPT-J, BLOOM, T5 and Swin have no SDPA path in transformers; their eager attention is what users run.
+    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom", "hf-mt5", "hf-swin") else "sdpa"
     model = cls(cfg)
     if kind in VISION:
         # The class tokens as training leaves them, not at their zero initialisation: there the
@@ -130,7 +135,7 @@ def _hf(kind: str, **overrides) -> nn.Module:
         emb = model.get_submodule(f"{cfg.model_type}.embeddings")
         with torch.no_grad():
             for name in ("cls_token", "distillation_token", "position_embeddings"):
-                if hasattr(emb, name):
+                if getattr(emb, name, None) is not None:
                     torch.nn.init.trunc_normal_(getattr(emb, name), std=cfg.initializer_range)
     return FeedBoth(model) if cfg.is_encoder_decoder else model
 

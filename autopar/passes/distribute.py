@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
@@ -120,6 +121,22 @@ def _local_view(x: DTensor, n: torch.fx.Node, tp_mesh):
                               shape=v.shape, stride=_contiguous_stride(v.shape))
 
 
+def _on_whole_values(target, args, kwargs, tp_mesh):
+    """An op DTensor has no sharding rule for (the in-place restride in an adaptive pool's
+    decomposition: Swin's pooler): run on whole values, the same on every rank, its output replicated."""
+    inplace = getattr(target, "_schema", None) is not None and target._schema.is_mutable
+
+    def whole(a):  # an in-place op gets a copy: autograd forbids changing to_local's view in place
+        if not isinstance(a, DTensor):
+            return a
+        local = a.redistribute(a.device_mesh, [Replicate()] * a.device_mesh.ndim).to_local()
+        return local.clone() if inplace else local
+
+    out = target(*pytree.tree_map(whole, args), **pytree.tree_map(whole, kwargs))
+    return pytree.tree_map(lambda o: DTensor.from_local(o, tp_mesh, [Replicate()], run_check=False)
+                           if isinstance(o, torch.Tensor) else o, out)
+
+
 def _contiguous_stride(shape) -> tuple:
     return torch.empty(shape, device="meta").stride()
 
@@ -211,7 +228,12 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
                     # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
                     out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
             if out is None:
-                out = n.target(*args, **kwargs)
+                try:
+                    out = n.target(*args, **kwargs)
+                except NotImplementedError as e:
+                    if rules is None or "sharding strategy" not in str(e):
+                        raise
+                    out = _on_whole_values(n.target, args, kwargs, tp_mesh)
             if rules is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
                 if n in rules.to_residual:
                     out = to_tp(out, act)
