@@ -25,6 +25,7 @@ from autopar.fxops import (
     unique_parameters,
 )
 from autopar.memory import gradient_in_kernel
+from autopar.roles import head_feeds_cross_entropy
 
 
 @dataclass
@@ -160,7 +161,10 @@ def for_analysis(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_
         name=name, batch=batch, seq_len=seq_len, dtype=dtype, blocks=blocks,
         block_container=_container(sg.layers), layers=tuple(sg.layers), ops=ops, saved=saved, params=params, tied=tied,
         module_types=module_types, capture_s=time.perf_counter() - t0, fingerprint_src=fp_src,
-        extras={"vocab_size": vocab_size},
+        # The head's logits split over TP (loss parallelism) only under a cross-entropy, as the
+        # executor splits them (roles.head_feeds_cross_entropy); else its "vocabulary" (a DiT's
+        # features per patch) is an ordinary width, priced whole.
+        extras={"vocab_size": vocab_size, "vocab_split": head_feeds_cross_entropy(sg) if sg.with_loss else True},
     )
 
 

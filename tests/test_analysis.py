@@ -202,6 +202,11 @@ def test_head_split_only_under_a_cross_entropy(kind, split):
     (head,) = [lin for lin in step_roles(sg).linears if lin.role == "head"]
     assert rules.vocab_split is split
     assert (head.weight in rules.placements and type(rules.placements[head.weight]).__name__ == "Shard") is split
+    # The planner prices what runs: the head's parameters and ops on vocabulary shards, or whole.
+    seq = xs[0].shape[1] if capture.is_token_ids(xs[0]) else None
+    prof = analysis.analyze(capture.trace_model(lambda: zoo.build(kind), batch=2, seq_len=seq, example_inputs=xs,
+                                                example_target=y, loss_fn=zoo.loss_of(kind)))
+    assert (prof.post.params_vocab > 0) is split and bool(prof.post.costs.tp.any()) is split
 
 
 def test_405b_planned_without_allocating():

@@ -842,11 +842,13 @@ def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tu
         return []
     m = ctx.model
     msg = cfg.mb / cfg.cp * m.seq_len * m.hidden * ctx.act_bytes
-    if segment == "pre":
-        out = [("all_reduce", msg, 1, 0, "vocab-parallel embedding output")]
+    if segment == "pre":  # an image or latent model has no token table: its input layer is replicated
+        out = [("all_reduce", msg, 1, 0, "vocab-parallel embedding output")] if m.pre.params_vocab else []
         if cfg.sp:  # the residual stream splits at the first block: its gradient is gathered
             out.append(("all_gather", msg, 0, 1, "SP: residual stream gradient at the first block"))
         return out
+    if not (m.post.params_vocab or m.tied_outside[0]):  # a head kept whole (not under a cross-entropy)
+        return [("all_gather", msg, 1, 0, "SP: head input")] if cfg.sp else []
     # Loss parallelism: the logits stay split; three all-reduces of one fp32 value per token
     # (row max, sum of exponentials, the target's logit).
     per_token = cfg.mb / cfg.cp * m.seq_len * 4
