@@ -105,3 +105,21 @@ def test_output_dtype_casts_every_output_form():
     assert isinstance(got, Out) and got.logits.dtype == torch.float32 and got.aux.dtype == torch.long
     assert [t.dtype for t in capture._cast_outputs([x, ids], torch.float32)] == [torch.float32, torch.long]
     assert capture._cast_outputs({"logits": x}, torch.float32)["logits"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind,want", [
+    ("hf-llama", ["model.layers.0", "model.layers.1"]),
+    # The first layer has no attention norm: only the MLPs repeat exactly; the layers hold them.
+    ("hf-modernbert", ["model.layers.0", "model.layers.1"]),
+    # Two kinds, encoder's then decoder's, in the order they run (names would sort the decoder first).
+    ("hf-bart", [f"model.model.{s}.layers.{i}" for s in ("encoder", "decoder") for i in (0, 1)]),
+    # T5's blocks differ (the first holds the position bias; the decoder's cross-attention): found
+    # from their feed-forward sublayers, which repeat exactly.
+    ("hf-mt5", [f"model.{s}.block.{i}" for s in ("encoder", "decoder") for i in (0, 1)]),
+    # Stages of different widths: each stage's blocks a kind.
+    ("hf-swin", [f"swin.encoder.layers.{s}.blocks.{i}" for s in (0, 1) for i in (0, 1)]),
+])
+def test_layers_of_every_kind_in_model_order(kind, want):
+    from tests import zoo
+
+    assert capture.find_layers(zoo.build(kind)) == want

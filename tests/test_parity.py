@@ -23,7 +23,7 @@ TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
 MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-gemma", "hf-gpt2", "hf-neox",
           "hf-phi3", "hf-opt", "hf-qwen2-moe", "hf-mixtral", "custom-llama", "hf-gptj", "hf-bloom", "hf-falcon",
           "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta", "hf-modernbert", "hf-bart", "hf-mt5", "hf-deit",
-          "diffusers-dit"]
+          "hf-swin", "diffusers-dit"]
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
@@ -78,6 +78,8 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     *[case(m, "pp2_ddp2", PP4["pp2_ddp2"]) for m in ("hf-roberta", "hf-modernbert", "hf-bart", "hf-mt5")],
     # Images in, class labels out (a patch-embedding convolution, class tokens, a 10-way head).
     case("hf-deit", "auto", "auto"), case("hf-deit", "pp2_ddp2", PP4["pp2_ddp2"]),
+    # Swin: stages of different widths (a kind of layer each) cut by the pipeline, shifted windows.
+    case("hf-swin", "pp2_ddp2", PP4["pp2_ddp2"]),
     # Latents, timesteps and class labels in, the noise MSE out (diffusers' DiT, adaptive layer norm).
     case("diffusers-dit", "auto", "auto"), case("diffusers-dit", "pp2_ddp2", PP4["pp2_ddp2"])]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
