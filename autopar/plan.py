@@ -295,8 +295,8 @@ class Plan:
             if x == y:
                 continue
             change = (f"{x.stage}/{x.chunk}/{x.ac}", f"{y.stage}/{y.chunk}/{y.ac}")
-            if runs and runs[-1][2] == change and runs[-1][1].rsplit(".", 1)[0] == y.fqn.rsplit(".", 1)[0]:
-                runs[-1][1] = y.fqn
+            if runs and runs[-1][2] == change and runs[-1][1].rsplit(".", 1)[0] == x.fqn.rsplit(".", 1)[0]:
+                runs[-1][1] = x.fqn  # one stack per run (an encoder's, a decoder's), named as in this plan
             else:
                 runs.append([x.fqn, x.fqn, change])
         for first, last, (was, now) in runs:
