@@ -21,10 +21,11 @@ every step. On gloo, when gloo's thread lets go of a finished collective's buffe
 allocator peak (its collectives run asynchronously; FSDP2's wait in line) by up to a layer's
 weights from step to step.
 
-``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed] [--model vit]`` writes
+``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed] [--model vit|bart]`` writes
 bench/results/memory.{json,md} (``memory_bf16_mixed.*`` with ``--mp``: both sides under FSDP2's
 ``MixedPrecisionPolicy`` for that precision; ``memory_vit.*`` with ``--model vit``: a ViT of the
-same width fed 224-pixel images, the input path of issue 28).
+same width fed 224-pixel images, the input path of issue 28; ``memory_bart.*`` with ``--model
+bart``: an encoder-decoder, both stacks' layers gathered where used on both sides).
 Targets (issue 22): autopar / FSDP2 <= 1.0 at both depths, growth with depth no steeper.
 """
 
@@ -65,6 +66,14 @@ def build(layers: int, model: str = "llama") -> torch.nn.Module:
                            num_hidden_layers=layers, num_attention_heads=HEADS, num_labels=CLASSES,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
         return tf.ViTForImageClassification(cfg)
+    if model == "bart":  # an encoder-decoder of the same width: half the layers in each stack
+        from autopar.models import SameIds
+
+        cfg = tf.BartConfig(d_model=HIDDEN, encoder_layers=layers // 2, decoder_layers=layers - layers // 2,
+                            encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
+                            decoder_ffn_dim=FFN, vocab_size=VOCAB, max_position_embeddings=SEQ, dropout=0.0,
+                            attention_dropout=0.0, activation_dropout=0.0, use_cache=False, attn_implementation="sdpa")
+        return SameIds(tf.BartForConditionalGeneration(cfg))
     cfg = tf.LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
                          num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB,
                          max_position_embeddings=SEQ, use_cache=False, attn_implementation="sdpa")
@@ -123,7 +132,7 @@ def _side_by_side(ids, tgt, pm, ref, dp_rank: int, dp: int):
     sl = slice(dp_rank * (BATCH // dp), (dp_rank + 1) * (BATCH // dp))
 
     def fsdp2_step():
-        loss = default_loss(ref(ids[sl]).logits, tgt[sl])
+        loss = default_loss(ref(ids[sl]), tgt[sl])
         loss.backward()
         return loss
 
@@ -235,8 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--mp", default="", help="a mixed precision for both sides (e.g. bf16-mixed; default: fp32)")
-    ap.add_argument("--model", default="llama", choices=("llama", "vit"),
-                    help="vit: HF ViT of the same width, 224-pixel images in 16-pixel patches, 1,000 classes")
+    ap.add_argument("--model", default="llama", choices=("llama", "vit", "bart"),
+                    help="vit: HF ViT of the same width, 224-pixel images in 16-pixel patches, 1,000 classes; "
+                         "bart: HF BART of the same width, the layers half encoder and half decoder")
     args = ap.parse_args(argv)
     # Freed large blocks go back to the system, so the resident peak is the step's (PLATFORM.md).
     os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
@@ -267,9 +277,12 @@ def main(argv=None) -> int:
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             rows.append(row)
     vit = args.model == "vit"
-    summary = {"model": (f"HF ViT hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, {IMAGE} px / {PATCH} px patches, "
-                         f"{CLASSES} classes" if vit else f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, "
-                         f"vocab {VOCAB}") + ", fp32 parameters",
+    described = {"vit": f"HF ViT hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, {IMAGE} px / {PATCH} px patches, "
+                        f"{CLASSES} classes",
+                 "bart": f"HF BART d_model {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, the layers half "
+                         "encoder and half decoder, the same ids into both",
+                 "llama": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}"}
+    summary = {"model": described[args.model] + ", fp32 parameters",
                "precision": args.mp or "fp32",
                "batch": f"{BATCH} x {(IMAGE // PATCH) ** 2 + 1 if vit else SEQ} tokens global, one microbatch per rank",
                "compiled": not args.no_compile,
@@ -278,7 +291,7 @@ def main(argv=None) -> int:
                "max fake-group alloc ratio": f"{max(r['fake_ratio'] for r in rows):.3f} (target <= 1.0)",
                "max resident ratio": f"{max(r['rss_ratio'] for r in rows):.3f} (target <= 1.0)"}
     partial = bool(args.only) or args.layers != "8,16"
-    stem = "memory" + ("_vit" if vit else "") + (f"_{args.mp.replace('-', '_')}" if args.mp else "")
+    stem = "memory" + ("" if args.model == "llama" else f"_{args.model}") + (f"_{args.mp.replace('-', '_')}" if args.mp else "")
     write(stem + "_partial" if partial else stem, rows, summary,
           ["name", "layers", "plan", "autopar_fake_mib", "fsdp2_fake_mib", "fake_ratio", "liveness_fake_mib",
            "autopar_alloc_mib", "fsdp2_alloc_mib", "alloc_ratio", "autopar_alloc_gloo_mib",
