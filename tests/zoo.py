@@ -137,18 +137,11 @@ def _hf(kind: str, **overrides) -> nn.Module:
             for name in ("cls_token", "distillation_token", "position_embeddings"):
                 if getattr(emb, name, None) is not None:
                     torch.nn.init.trunc_normal_(getattr(emb, name), std=cfg.initializer_range)
-    return FeedBoth(model) if cfg.is_encoder_decoder else model
+    if cfg.is_encoder_decoder:  # as a user wraps one to train on token ids: the same ids into both
+        from autopar.models import SameIds
 
-
-class FeedBoth(nn.Module):
-    """An encoder-decoder as a user wraps one to train on token ids: the same ids into both."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, decoder_input_ids=ids).logits
+        return SameIds(model)
+    return model
 
 
 class TokenTable(nn.Module):
