@@ -197,6 +197,30 @@ def no_init():
             setattr(init, k, v)
 
 
+def _built_on_meta(build: Callable[[], nn.Module], mode) -> nn.Module:
+    """``build()`` on the meta device, its parameters and buffers then made fake CPU tensors of
+    ``mode``: for a constructor that reads a value it computed (Swin's drop-path rates,
+    ``torch.linspace(..., device="cpu").item()``), which a fake tensor does not have; a factory
+    call that names the CPU runs for real there, everything else allocates nothing."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with torch.device("meta"), no_init():
+        model = build()
+    cpu = torch.device("cpu")
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return FakeTensor(mode, t.to("meta"), cpu)
+
+    for mod in model.modules():
+        for k, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[k] = nn.Parameter(fake(p.data), requires_grad=p.requires_grad)
+        for k, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[k] = fake(b)
+    return model
+
+
 def trace_model(
     build_or_model: Callable[[], nn.Module] | nn.Module,
     *,
@@ -212,14 +236,24 @@ def trace_model(
     """Trace ``build_or_model`` on fake tensors at (batch, seq_len) token inputs, or at
     ``example_inputs`` (then the sequence is the tokens per sample where the layers run)."""
     t0 = time.perf_counter()
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        FakeTensor,
+        FakeTensorMode,
+    )
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     prev = torch.get_default_dtype()
     try:
-        with mode, no_init():
+        try:
+            with mode, no_init():
+                torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
+                model = build_or_model() if not isinstance(build_or_model, nn.Module) else build_or_model
+        except DataDependentOutputException:
+            if isinstance(build_or_model, nn.Module):
+                raise
             torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
-            model = build_or_model() if not isinstance(build_or_model, nn.Module) else build_or_model
+            model = _built_on_meta(build_or_model, mode)
     except Exception as e:
         raise _trace_error(e, f"the construction of {name}", (
             "The model is built under FakeTensorMode (shapes only, nothing allocated): the factory must "

@@ -321,6 +321,13 @@ def test_an_image_classifier_config_is_planned_on_its_images(tmp_path, monkeypat
     assert p.seq_len == (64 // 8) ** 2 + 1 and len(p.layers) == 4
     with pytest.raises(AutoparError, match="its sequence is the patches its layers see"):
         api.plan(str(path), 8, hardware="h100", seq_len=128)
+    # Swin's constructor reads values it computes (drop-path rates by linspace(...).item()): built
+    # on the meta device and made fake; both stages' blocks are layers.
+    swin = tmp_path / "swin" / "config.json"
+    transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                            num_labels=10).save_pretrained(swin.parent)
+    p = api.plan(str(swin), 8, hardware="h100", global_batch=64)
+    assert [layer.fqn for layer in p.layers] == [f"swin.encoder.layers.{s}.blocks.{i}" for s in (0, 1) for i in (0, 1)]
     other = tmp_path / "clip" / "config.json"
     transformers.CLIPVisionConfig().save_pretrained(other.parent)
     with pytest.raises(AutoparError, match=r"neither a language model's \(causal, masked or encoder-decoder\) nor"):
