@@ -22,6 +22,11 @@ TARGETS = ("torchtitan", "megatron")
 def export(plan: Plan, target: str) -> str:
     if target not in TARGETS:
         raise AutoparError(f"export target {target!r} is not known: use one of {', '.join(TARGETS)}")
+    stacks = sorted({layer.fqn.rpartition(".")[0] for layer in plan.layers})
+    if len(stacks) > 1:  # an encoder-decoder, a vision model in stages
+        raise AutoparError(f"{plan.model_name}'s layers are in {len(stacks)} stacks ({', '.join(stacks[:4])}): "
+                           f"{target}'s trainers run one stack of decoder layers; run this plan with "
+                           "autopar.compile(model, mesh, plan=...)")
     return _torchtitan(plan) if target == "torchtitan" else _megatron(plan)
 
 

@@ -135,3 +135,20 @@ def test_precision_exported_as_each_framework_names_it(prec, titan, megatron):
     m = export(p, "megatron")
     assert {k for k in _megatron_args(m) if k in ("--bf16", "--fp16", "--fp8-format")} == megatron
     assert ("keeps fp32 master weights" in m) == (prec == "bf16-true")
+
+
+def test_a_plan_of_several_stacks_is_not_exported(plans):
+    """An encoder-decoder's plan (encoder and decoder layers) is refused: torchtitan and Megatron-LM
+    train one stack of decoder layers."""
+    import dataclasses
+
+    from autopar.errors import AutoparError
+
+    p = plans["hsdp"]
+    layers = tuple(dataclasses.replace(x, fqn=x.fqn.replace("layers.", "encoder.layers.", 1) if i < 16 else
+                                       x.fqn.replace("layers.", "decoder.layers.", 1)) for i, x in enumerate(p.layers))
+    p2 = dataclasses.replace(p, layers=layers)
+    for target in ("torchtitan", "megatron"):
+        with pytest.raises(AutoparError, match="layers are in 2 stacks .*one stack of decoder layers"):
+            export(p2, target)
+    assert export(p, "torchtitan")  # one stack: exported
