@@ -694,9 +694,10 @@ def _is_before_blocks(pname: str, trace: ModelTrace) -> bool:
 def analyze(trace: ModelTrace) -> ModelProfile:
     vocab = int(trace.extras["vocab_size"])
     blocks = [analyze_block(b, trace.seq_len, trace.batch) for b in trace.blocks]
-    split = vocab if trace.extras.get("vocab_split", True) else -1  # -1: no dimension is vocabulary-split
-    pre = _outer(trace, "pre", split, trace.batch)
-    post = _outer(trace, "post", split, trace.batch)
+    # -1 where the head is kept whole (no loss parallelism): no dimension is vocabulary-split.
+    split_vocab = vocab if trace.extras.get("vocab_split", True) else -1
+    pre = _outer(trace, "pre", split_vocab, trace.batch)
+    post = _outer(trace, "post", split_vocab, trace.batch)
     hidden = 0
     if blocks:
         hidden = int(round(blocks[0].hidden_bytes / (trace.seq_len * torch.tensor([], dtype=trace.dtype).element_size())))

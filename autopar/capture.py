@@ -245,15 +245,15 @@ def trace_model(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     prev = torch.get_default_dtype()
     try:
-        try:
-            with mode, no_init():
-                torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
-                model = build_or_model() if not isinstance(build_or_model, nn.Module) else build_or_model
-        except DataDependentOutputException:
-            if isinstance(build_or_model, nn.Module):
-                raise
-            torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
-            model = _built_on_meta(build_or_model, mode)
+        torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
+        if isinstance(build_or_model, nn.Module):
+            model = build_or_model
+        else:
+            try:
+                with mode, no_init():
+                    model = build_or_model()
+            except DataDependentOutputException:
+                model = _built_on_meta(build_or_model, mode)
     except Exception as e:
         raise _trace_error(e, f"the construction of {name}", (
             "The model is built under FakeTensorMode (shapes only, nothing allocated): the factory must "
@@ -300,10 +300,10 @@ def find_layers(model: nn.Module) -> list[str]:
     of one class that enclose them one each (``_lift``) and widened to the modules of its class
     beside them in their container (DeepSeek's first dense layers before the MoE ones; T5's first
     block, which holds the position bias). The largest kind (by the repeated modules' parameters)
-    is taken, and every
-    other kind that is a container's whole sequence of blocks outside it (BART's and T5's
-    encoder layers beside the decoder's, a vision tower beside a text one). Found from the
-    modules themselves, whatever holds them (a ModuleList, a ModuleDict, plain attributes)."""
+    is taken, and every other kind that is a container's whole sequence of blocks outside it
+    (BART's and T5's encoder layers beside the decoder's, a vision tower beside a text one).
+    Found from the modules themselves, whatever holds them (a ModuleList, a ModuleDict, plain
+    attributes)."""
     mods = dict(model.named_modules())
     groups: dict[str, list[str]] = {}
     for name, mod in mods.items():
@@ -341,26 +341,27 @@ def _lift(names: list[str], mods: dict) -> list[str]:
         names = up
 
 
+def _container_children(names, mods: dict) -> set[str] | None:
+    """The children holding parameters of the one container of ``names``; None for several."""
+    parents = {n.rpartition(".")[0] for n in names}
+    if len(parents) != 1:
+        return None
+    (parent,) = parents
+    return {n for n, m in mods.items() if n and n.rpartition(".")[0] == parent and any(True for _ in m.parameters())}
+
+
 def _beside(names: list[str], mods: dict) -> set[str]:
     """``names`` with the modules of their classes beside them in their one container."""
-    parents = {n.rpartition(".")[0] for n in names}
     classes = {type(mods[n]).__name__ for n in names}
-    if len(parents) > 1:
-        return set(names)
-    (parent,) = parents
-    return set(names) | {n for n, m in mods.items() if n and n.rpartition(".")[0] == parent
-                         and type(m).__name__ in classes and any(True for _ in m.parameters())}
+    children = _container_children(names, mods) or set()
+    return set(names) | {n for n in children if type(mods[n]).__name__ in classes}
 
 
 def _is_stack(kind: set[str], mods: dict) -> bool:
     """A kind that is every block of its container (a ModuleList of encoder layers), each block
     holding at least two weight matrices (not a list of norms or of single projections)."""
-    parents = {n.rpartition(".")[0] for n in kind}
-    if len(parents) != 1:
-        return False
-    (parent,) = parents
-    children = {n for n in mods if n and n.rpartition(".")[0] == parent and any(True for _ in mods[n].parameters())}
-    return children == kind and all(sum(p.dim() >= 2 for p in mods[n].parameters()) >= 2 for n in kind)
+    return _container_children(kind, mods) == kind and all(
+        sum(p.dim() >= 2 for p in mods[n].parameters()) >= 2 for n in kind)
 
 
 @dataclass

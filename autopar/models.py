@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import math
 import os
@@ -283,7 +284,6 @@ def _check_config_fields(path: str, raw: dict, cls: type) -> None:
     would keep it as an unused attribute without a word). Fields unlike any known one are kept:
     configs carry extras (architectures, auto_map, ...) that newer versions add."""
     import difflib
-    import inspect
 
     known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters)
     known |= set(getattr(cls, "attribute_map", {}))
@@ -391,15 +391,12 @@ def _hf_source(path: str) -> ModelSource:
         if hasattr(cfg, "use_cache"):
             cfg.use_cache = False
         cfg._attn_implementation = attn
-        auto = "AutoModelForImageClassification" if image else _LM_AUTO[meta.get("task", "causal")]
+        auto = "AutoModelForImageClassification" if image else _LM_CLASSES[meta.get("task", "causal")][1]
         model = getattr(transformers, auto).from_config(cfg, attn_implementation=attn)
         return SameIds(model) if meta.get("task") == "seq2seq" else model
 
-    # The model's own name where the config has one (a hub id), else the file's: its directory
-    # for a config.json, the file name for any other.
-    stem = os.path.splitext(os.path.basename(path))[0]
-    where = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
-    name = str(raw.get("_name_or_path") or "") or where or meta["model_type"]
+    # The model's own name where the config has one (a hub id), else the file's.
+    name = str(raw.get("_name_or_path") or "") or _file_name(path) or meta["model_type"]
     return ModelSource(
         name=f"hf:{meta['model_type']}:{name}",
         build=build,
@@ -413,6 +410,12 @@ def _hf_source(path: str) -> ModelSource:
     )
 
 
+def _file_name(path: str) -> str:
+    """A config file's name for reports: its directory for a config.json, the file's stem else."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
+
+
 # A text encoder's tokens a diffusion model's conditioning is planned at (CLIP's 77).
 TEXT_TOKENS = 77
 
@@ -421,8 +424,6 @@ def _diffusion_inputs(cls: type, cfg: dict) -> tuple[tuple, list[str]]:
     """The forward inputs of a diffusers transformer, per sample, from its config: the leading
     arguments it is called with in training (latents, timestep, class labels, text conditioning),
     up to the first it does not need. Returns ((shape, dtype) per input, their names)."""
-    import inspect
-
     size = cfg.get("sample_size")
     size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
     text = cfg.get("joint_attention_dim") or cfg.get("cross_attention_dim") or cfg.get("caption_channels")
@@ -470,8 +471,6 @@ def _diffusers_source(path: str, raw: dict) -> ModelSource:
         cls = getattr(diffusers, _CLASS_REMAPPING_DICT.get(cls.__name__, {}).get(raw.get("norm_type"), ""), cls)
     except ImportError:  # pragma: no cover - older diffusers
         pass
-    import inspect
-
     defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     inputs, names = _diffusion_inputs(cls, {**defaults, **{k: v for k, v in raw.items() if not k.startswith("_")}})
@@ -483,9 +482,7 @@ def _diffusers_source(path: str, raw: dict) -> ModelSource:
     def build() -> nn.Module:
         return cls.from_config(raw)
 
-    stem = os.path.splitext(os.path.basename(path))[0]
-    where = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
-    return ModelSource(name=f"diffusers:{cls.__name__}:{where}", build=build, spec={"kind": "diffusers", "config": raw},
+    return ModelSource(name=f"diffusers:{cls.__name__}:{_file_name(path)}", build=build, spec={"kind": "diffusers", "config": raw},
                        notes=notes, inputs=inputs, takes="latents of " + "x".join(map(str, inputs[0][0])),
                        loss_fn=noise_mse)
 
@@ -531,35 +528,36 @@ def _hf_meta(path: str, raw: dict) -> dict:
         notes += ("an encoder-decoder: the same token ids into the encoder and the decoder (one sequence length)",)
     # SDPA (the fused kernel) where transformers has it for the family; GPT-J, BLOOM and T5 have
     # only their eager attention, which is what their users run.
-    cls = _LM_MAPPINGS[task](transformers).get(type(cfg), None)
+    cls = getattr(transformers, _LM_CLASSES[task][0]).get(type(cfg), None)
     attn = "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
     seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     return {"model_type": cfg.model_type, "seq_len": seq, "vocab_size": cfg.vocab_size, "attn": attn,
             "notes": list(notes), "task": task}
 
 
-# The language-model tasks a config is built for, by transformers' auto class (mapping, class).
-_LM_MAPPINGS = {
-    "causal": lambda tf: tf.MODEL_FOR_CAUSAL_LM_MAPPING,
-    "masked": lambda tf: tf.MODEL_FOR_MASKED_LM_MAPPING,
-    "seq2seq": lambda tf: tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+# The language-model tasks a config is built for: transformers' mapping of configs to model
+# classes, and its auto class, by task.
+_LM_CLASSES = {
+    "causal": ("MODEL_FOR_CAUSAL_LM_MAPPING", "AutoModelForCausalLM"),
+    "masked": ("MODEL_FOR_MASKED_LM_MAPPING", "AutoModelForMaskedLM"),
+    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", "AutoModelForSeq2SeqLM"),
 }
-_LM_AUTO = {"causal": "AutoModelForCausalLM", "masked": "AutoModelForMaskedLM", "seq2seq": "AutoModelForSeq2SeqLM"}
 
 
 def _lm_task(tf, cfg) -> str | None:
     """What a text config is trained as: an encoder-decoder; an encoder (a family with a masked-LM
     head and no causal flag: BERT, RoBERTa, ModernBERT, whose causal-LM classes are for
     fine-tuning as decoders); else a decoder; None for none of them."""
+    def has(task: str) -> bool:
+        return type(cfg) in getattr(tf, _LM_CLASSES[task][0])
+
     if not hasattr(cfg, "vocab_size"):
         return None
-    if getattr(cfg, "is_encoder_decoder", False) and type(cfg) in tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+    if getattr(cfg, "is_encoder_decoder", False) and has("seq2seq"):
         return "seq2seq"
-    if type(cfg) in tf.MODEL_FOR_MASKED_LM_MAPPING and not getattr(cfg, "is_decoder", False):
+    if has("masked") and not getattr(cfg, "is_decoder", False):
         return "masked"
-    if type(cfg) in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
-        return "causal"
-    return None
+    return "causal" if has("causal") else None
 
 
 class SameIds(nn.Module):

@@ -180,8 +180,8 @@ def _stacked_parts(view: torch.fx.Node, d: int) -> int:
 def _head_view_reason(view: torch.fx.Node, d: int) -> str:
     """A column's features viewed with dim ``d`` leading them: indexing along ``d`` (Falcon's
     multi-query ``qkv[..., :-2, :]`` and ``qkv[..., [-2], :]``: one K and one V head shared by all
-    query heads) treats its entries differently, and no contiguous
-    range of them is a rank's share: replicated, with the reason."""
+    query heads) treats its entries differently, and no contiguous range of them is a rank's
+    share: replicated, with the reason."""
     a = view.meta["val"].shape[d]
     for u in view.users:
         if u.op != "call_function":
