@@ -43,6 +43,7 @@ class CompiledStep:
     n_input_grads: int = 0
     bw_weight_strides: list = None
     inductor: bool = True  # compiled by Inductor (False: the graphs run as they are)
+    fallbacks: list = None  # graphs compiled with every layer inline after Inductor failed on their layer calls
 
 
 def partition(joint: torch.fx.GraphModule, plan, ctx) -> StepGraphs:
@@ -83,8 +84,15 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     # and refused to compile: "disjoint backward regions that require recomputation").
     # Inductor's peak-memory reordering is off: the graph's order (gathers at use, prefetch, the
     # reductions' waits: passes/overlap.py) is the schedule that runs and that memory.py prices.
+    # A graph that calls layer subgraphs (passes/regions.py) is compiled without mix-order
+    # reductions: ``standalone_compile`` autotunes at compile time, and the tuning block it writes
+    # for the whole graph does not allocate the workspace such a kernel inside a subgraph needs
+    # (torch 2.11 on an H200: "Failed to run autotuning code block: name 'workspace_0' is not
+    # defined", RMSNorm's backward at 4 x 2048 tokens).
+    calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
+    inductor_cfg = {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
     with torch.no_grad(), torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), \
-            torch._inductor.config.patch(reorder_for_peak_memory=False):
+            torch._inductor.config.patch(inductor_cfg):
         art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs", **_fake_mode_kw(vals))
     return _boxed(art)
 
@@ -138,18 +146,34 @@ class _Progress:
 
     def __init__(self, inductor: bool, show: bool, total: int):
         self.inductor, self.total, self.done = inductor, total, 0
+        self.fallbacks: list[str] = []
         self.show = inductor and show and not os.environ.get("AUTOPAR_QUIET")
 
-    def __call__(self, gm: torch.fx.GraphModule, what: str) -> Callable:
+    def __call__(self, graphs: StepGraphs, name: str, what: str) -> Callable:
         self.done += 1
-        if not self.show:
-            return compile_graph(gm, self.inductor)
-        ops = sum(n.op == "call_function" for n in gm.graph.nodes)
-        print(f"autopar: Inductor compiles the {what} graph ({self.done}/{self.total}, {ops} ops)...",
-              file=sys.stderr, flush=True)
+        gm = graphs.to_compile(name)
+        if self.show:
+            ops = sum(n.op == "call_function" for n in gm.graph.nodes)
+            print(f"autopar: Inductor compiles the {what} graph ({self.done}/{self.total}, {ops} ops)...",
+                  file=sys.stderr, flush=True)
         t = time.perf_counter()
-        out = compile_graph(gm, self.inductor)
-        print(f"autopar: {what} graph compiled in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        try:
+            out = compile_graph(gm, self.inductor)
+        except Exception as e:  # noqa: BLE001 - Inductor's own failure on the subgraph calls
+            flat = getattr(graphs, name)
+            if gm is flat:
+                raise
+            # The same computation, every layer inline: slower to compile, never a different model.
+            log.warning("backend: Inductor failed on the %s graph's layer calls (%s: %s); compiling it "
+                        "with every layer inline", what, type(e).__name__, str(e).splitlines()[0][:200])
+            self.fallbacks.append(f"{what}: compiled with every layer inline, Inductor failed on its layer "
+                                  f"calls ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            for n in flat.graph.nodes:  # no call boundaries left for memory.py to price
+                n.meta.pop("segment", None)
+                n.meta.pop("segment_out", None)
+            out = compile_graph(flat, self.inductor)
+        if self.show:
+            print(f"autopar: {what} graph compiled in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         return out
 
 
@@ -168,19 +192,20 @@ def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
     compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, 3 if split else 2)
     try:
         if not split:
-            step = CompiledStep(compiled(graphs.to_compile("fw"), "forward"), compiled(graphs.to_compile("bw"), "backward"),
+            step = CompiledStep(compiled(graphs, "fw", "forward"), compiled(graphs, "bw", "backward"),
                                 fw, bw, graphs.n_outputs)
         else:  # the backward runs as its two parts only
-            step = CompiledStep(compiled(graphs.to_compile("fw"), "forward"), None, fw, bw, graphs.n_outputs)
+            step = CompiledStep(compiled(graphs, "fw", "forward"), None, fw, bw, graphs.n_outputs)
             step.n_input_grads = graphs.n_input_grads
-            step.bw_input = compiled(graphs.to_compile("bw_input"), "backward (input gradients)")
-            step.bw_weight = compiled(graphs.to_compile("bw_weight"), "backward (weight gradients)")
+            step.bw_input = compiled(graphs, "bw_input", "backward (input gradients)")
+            step.bw_weight = compiled(graphs, "bw_weight", "backward (weight gradients)")
             step.bw_weight_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None
                                       for v in _example(graphs.bw_weight)]
     finally:
         if ordered and dist.get_rank() == 0:
             dist.barrier()
     step.inductor = inductor
+    step.fallbacks = compiled.fallbacks
     step.bw_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in _example(bw)]
     step.compile_s = time.perf_counter() - t0
     log.info("backend: %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)

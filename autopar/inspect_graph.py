@@ -10,8 +10,10 @@ came from.
 
 Memory: ``memory.step_peak`` walks the executed graphs at the plan's real shapes (sequence,
 microbatch, mesh). A stack of identical layers holds memory affine in its layer counts per AC
-mode, so the walk runs on 2 layers, 3 layers and, for each other AC mode in the plan, 2 + 1 layers
-of that mode, and the plan's depth is read off that line (``tests/test_memory.py`` holds the
+mode, so the walk runs on 3 layers, 4 layers and, for each other AC mode in the plan, 3 + 1 layers
+of that mode, and the plan's depth is read off that line (from 3 layers on, the program's shape
+stops changing with depth: the top layers' compute runs as calls of one compiled subgraph, the
+bottom layer's backward, which hands its gradient to the embedding, inline) (``tests/test_memory.py`` holds the
 extrapolation against a walk at full depth). What the rank holds outside the step (parameter
 shards, their gradients and AdamW's two moments, in the executed dtype) is added to give the
 executed total beside the cost model's.
@@ -110,20 +112,20 @@ def executed_memory(build, plan: Plan) -> dict:
         gc.collect()
         return live, held
 
-    two, held2 = walk([base] * 2)
     three, held3 = walk([base] * 3)
-    per = {base: three.peak_bytes - two.peak_bytes}
-    held_per = held3 - held2
+    four, held4 = walk([base] * 4)
+    per = {base: four.peak_bytes - three.peak_bytes}
+    held_per = held4 - held3
     for m in modes:
         if m != base:  # one layer of mode m first (the planner orders full, selective, none)
-            other, _ = walk([m] + [base] * 2)
-            per[m] = other.peak_bytes - two.peak_bytes
+            other, _ = walk([m] + [base] * 3)
+            per[m] = other.peak_bytes - three.peak_bytes
     n = len(plan.layers)
-    peak = two.peak_bytes + sum(modes[m] * per[m] for m in modes) - 2 * per[base]
-    params = held2 + (n - 2) * held_per  # parameter shards in the executed dtype
+    peak = three.peak_bytes + sum(modes[m] * per[m] for m in modes) - 3 * per[base]
+    params = held3 + (n - 3) * held_per  # parameter shards in the executed dtype
     states = params * 4  # + gradient shards + AdamW's two moments, all in the parameters' dtype
     return {"step_peak": peak, "per_layer": per, "states": states, "params": params, "layers": n,
-            "peak_at": two.peak_at, "breakdown_2_layers": two.breakdown, "microbatches": M,
+            "peak_at": three.peak_at, "breakdown_3_layers": three.breakdown, "microbatches": M,
             "dtype": plan.precision}
 
 
@@ -134,7 +136,7 @@ def render_memory(ex: dict, plan: Plan) -> str:
     step_pred = (pred.get("unsharded_params", 0) + pred.get("activations", 0)) * gib
     lines = [
         f"memory per GPU, executed graphs ({ex['dtype']}, {ex['layers']} layers, {ex['microbatches']} microbatches; "
-        f"liveness of 2- and 3-layer stacks extrapolated):",
+        f"liveness of 3- and 4-layer stacks extrapolated):",
         f"  step peak (gathered parameters, activations, gradients in flight): {ex['step_peak'] / gib:.2f} GiB "
         f"at {ex['peak_at'].split(':')[0]}; predicted {step_pred / gib:.2f} GiB "
         f"({(ex['step_peak'] / step_pred - 1) * 100 if step_pred else 0:+.1f}%)",

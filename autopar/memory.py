@@ -20,7 +20,8 @@ With several microbatches the gradients of the earlier ones are held through the
 Inductor (the default path) generates element-wise ops, reductions, dtype casts, softmax and the
 loss's own ops inside fused kernels: a value such an op makes and only such ops read (through any
 view), or a concatenation or scatter that computes it inline while writing its own output, is a
-register inside a kernel, never a buffer. ``fused=True`` walks that program (the one
+register inside a kernel, never a buffer; not across a layer segment's call (``passes/regions.py``:
+each distinct layer compiled once), whose inputs and outputs are buffers. ``fused=True`` walks that program (the one
 that runs by default); ``fused=False`` the eager graphs of ``compile=False``, which allocate every
 node's output. The difference is largest at the loss, where the fp32 logits, their log-softmax and
 its gradient are vocabulary-wide.
@@ -193,6 +194,12 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     for a in outs:
         for k in refs.get(a, []):
             last[k] = end
+    # A layer segment run as a call (passes/regions.py) returns its outputs together when it ends.
+    seg_end = {n.meta["segment"]: order[n] for n in nodes if "segment" in n.meta}
+    for n in nodes:
+        if n.meta.get("segment_out"):
+            for k in refs[n]:
+                last[k] = max(last[k], seg_end[n.meta["segment"]])
     first = {}
     for n in nodes:
         for k in refs[n]:
@@ -259,7 +266,9 @@ def _kernel_locals(nodes: list, refs: dict, kind: dict, outs: set, maker: dict) 
                     readers.setdefault(k, []).append(n)
     kept = {k for a in outs for k in refs.get(a, [])}
     return {k for k, m in maker.items() if kind.get(k) == "other" and k not in kept and in_kernel(m)
-            and all(in_kernel(r) or r.target in _WRITES_NEW for r in readers.get(k, []))}
+            and not m.meta.get("segment_out")
+            and all((in_kernel(r) or r.target in _WRITES_NEW) and r.meta.get("segment") == m.meta.get("segment")
+                    for r in readers.get(k, []))}
 
 
 def step_liveness(compiled, microbatches: int = 1, gradients: bool = True, fused: bool | None = None) -> Liveness:

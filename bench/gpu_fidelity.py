@@ -19,6 +19,7 @@ script)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -187,7 +188,58 @@ def stage_rank(small: bool) -> dict:
     return out
 
 
+def stage_startup(how: str, layers: int, small: bool) -> dict:
+    """Time to the end of the first step on one GPU, bf16-mixed, in a fresh process with an empty
+    Inductor cache: ``autopar`` as it is by default (each distinct layer compiled once), ``flat``
+    (``disable_passes=("regions",)``: every layer compiled inline), ``block`` (``torch.compile`` on
+    each decoder block under ``torch.autocast``, torchtitan's way). Then the median step time."""
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
+    os.environ["AUTOPAR_QUIET"] = "1"
+    import autopar
+    from autopar import models
+
+    dev = _device()
+    cfg = models._llama(128, layers, 4, 2, 256, vocab=512, seq=64) if small else models._llama(
+        2048, layers, 16, 8, 5632, vocab=32000, seq=2048)
+    batch = 2 if small else 4
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=torch.Generator().manual_seed(0)).to(dev)
+    tgt = torch.roll(ids, -1, dims=1)
+    torch.manual_seed(0)
+    model = models.Llama(cfg).to(dev)
+    t0 = time.perf_counter()
+    if how == "block":
+        for layer in model.layers:
+            layer.compile()
+
+        def step():
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = model(ids)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), tgt.flatten())
+            loss.backward()
+            return loss
+        params = list(model.parameters())
+    else:
+        pm = autopar.compile(model, 1, example_inputs=(ids,), plan=f"mb={batch}", mp_policy="bf16-mixed", hardware="h100",
+                             global_batch=batch, disable_passes=("regions",) if how == "flat" else ())
+        step = functools.partial(pm.step, ids, target=tgt)
+        params = list(pm.parameters())
+    loss = float(step())
+    _sync()
+    first = time.perf_counter() - t0
+    t = _timed(lambda: (_zero(params), step()), 3 if small else 10)
+    out = {"how": how, "layers": layers, "model": f"Llama hidden {cfg.dim}, vocab {cfg.vocab_size}, batch {batch} x "
+           f"{cfg.max_seq_len}", "first_step_s": first, "step_s": t, "loss": loss}
+    if how != "block":
+        out["regions"] = pm.info.notes.get("regions")
+        out["timings"] = {k: round(v, 2) for k, v in pm.info.timings.items()}
+    return out
+
+
 STAGES = {"calibrate": stage_calibrate, "single": stage_single, "rank": stage_rank}
+STAGES.update({f"start_{how}_{n}": functools.partial(stage_startup, how, n)
+               for n in (8, 32) for how in ("autopar", "block", "flat")})
 
 
 def _device_name() -> str:

@@ -6,6 +6,7 @@ the graphs Inductor compiles, in the order it keeps); bench/memory.py measures t
 FSDP2 in real processes."""
 
 import math
+import operator
 
 import pytest
 import torch
@@ -119,6 +120,44 @@ def test_liveness_holds_at_most_two_layers_gathered(fake_group):
     assert kept.forward.out_kinds["gathered parameters"] >= 4 * layer  # without reshard it keeps them all
 
 
+def test_layer_calls_run_in_the_order_the_walk_reads(fake_group, monkeypatch):
+    """With each layer compiled once (``passes/regions.py``), the graphs Inductor compiles call a
+    subgraph per layer segment; the flat graphs the walk reads hold the same nodes in the same
+    order (each segment's nodes together, where its call runs), and the calls interleave with
+    the gathers as the flat graph does (a call placed at its segment's last node ran every
+    layer's gather before the first layer's compute: the whole model resident)."""
+    from autopar import backend
+
+    compiled = []
+    real = backend.compile_graph
+    monkeypatch.setattr(backend, "compile_graph", lambda gm, inductor: compiled.append(gm) or real(gm, inductor))
+    pm = _build("llama-tiny-4layers", FSDP)
+    invoke = torch.ops.higher_order.invoke_subgraph
+
+    def outer(gm, flat: bool) -> list:
+        seq, seg = [], None
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or n.target is operator.getitem:
+                continue
+            if flat and "segment" in n.meta:
+                if n.meta["segment"] != seg:
+                    seq.append("call")
+                seg = n.meta["segment"]
+                continue
+            seq.append("call" if n.target is invoke else str(n.target))
+            seg = None
+        return seq
+
+    fw_calls, fw_flat = compiled[0], pm._step_runner.compiled.fw_graph
+    assert sum(n.target is invoke for n in fw_calls.graph.nodes) == 4
+    assert outer(fw_calls, False) == outer(fw_flat, True)
+    order, gathers, _ = _positions(fw_calls)
+    calls = [order[n] for n in fw_calls.graph.nodes if n.target is invoke]
+    layered = [order[g] for g in gathers if _layer(g) is not None]
+    for k in range(1, 4):  # layer k gathered after layer k-2's call, before layer k-1's
+        assert layered[k] < calls[k - 1] and (k < 2 or layered[k] > calls[k - 2])
+
+
 def test_liveness_counts_views_and_waits_once(fake_group):
     pm = _compile("llama-tiny-4layers", FSDP)
     fw = pm._step_runner.compiled.fw_graph
@@ -134,13 +173,14 @@ def test_liveness_counts_views_and_waits_once(fake_group):
 
 
 def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
-    """explain --graph reads the plan's depth off 2- and 3-layer walks: at 4 layers that line
-    must give what the walk of the 4-layer graphs gives."""
+    """explain --graph reads the plan's depth off 3- and 4-layer walks: at 6 layers that line
+    must give what the walk of the 6-layer graphs gives (each distinct layer compiled once:
+    the program's shape must not change with depth past the walks)."""
     import dataclasses
 
     from autopar import inspect_graph, models
 
-    cfg = dataclasses.replace(models.PRESETS["llama-tiny"], n_layers=4)
+    cfg = dataclasses.replace(models.PRESETS["llama-tiny"], n_layers=6)
 
     def build():
         return models.Llama(cfg)
@@ -149,7 +189,7 @@ def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
     plan = autopar.plan(build(), WORLD, example_inputs=(ids,), pin={**FSDP, "mb": 2}, hardware="h100",
                         global_batch=8, precision="fp32")
     ex = inspect_graph.executed_memory(build, plan)
-    pm = inspect_graph._compile(build, plan, 4, dtype=torch.float32, batch=8)
+    pm = inspect_graph._compile(build, plan, 6, dtype=torch.float32, batch=8)
     direct = memory.step_peak(pm, gradients=False).peak_bytes
     assert ex["step_peak"] == pytest.approx(direct, rel=0.02)
 

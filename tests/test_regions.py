@@ -1,6 +1,5 @@
-"""Each repeated layer compiled once (``passes/regions.py``, ``enable_passes=("regions",)``): the
-graphs Inductor compiles call one subgraph per distinct layer segment, and train exactly as the
-flat graphs do."""
+"""Each repeated layer compiled once (``passes/regions.py``, on by default): the graphs Inductor
+compiles call one subgraph per distinct layer segment, and train exactly as the flat graphs do."""
 
 import copy
 
@@ -9,6 +8,7 @@ import torch
 import autopar
 from autopar.capture import default_loss
 from autopar.passes.regions import _labels, _layer_dependent, wrap_layers
+from tests import zoo
 from tests.dist_harness import batch
 
 
@@ -18,13 +18,10 @@ def _step(pm, ids, tgt):
 
 
 def test_layers_are_calls_of_one_subgraph_and_train_as_the_model_does():
-    from tests import zoo
-
     torch.manual_seed(0)
     ref = zoo.build("hf-llama", num_hidden_layers=4)
     ids, tgt = batch(1)
-    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8,
-                         enable_passes=("regions",))
+    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8)
     n_layers = ref.config.num_hidden_layers
     notes = pm.info.notes["regions"]
     assert f"fw: {n_layers} layer segments as calls of 1 compiled subgraphs" in notes, notes
@@ -33,6 +30,7 @@ def test_layers_are_calls_of_one_subgraph_and_train_as_the_model_does():
     assert f"bw: {n_layers - 1} layer segments as calls of 1 compiled subgraphs" in notes, notes
     fw = pm._step_runner.compiled.fw_graph  # the flat graph: what memory.py walks
     assert not any(n.target is torch.ops.higher_order.invoke_subgraph for n in fw.graph.nodes)
+    assert {n.meta["segment"] for n in fw.graph.nodes if "segment" in n.meta} == set(range(n_layers))
 
     loss, grads = _step(pm, ids, tgt)
     want = default_loss(ref(ids), tgt)
@@ -51,24 +49,53 @@ def test_a_layer_that_reads_itself_through_the_outer_graph_is_cut_there():
     g = torch.fx.Graph()
     xs = [g.placeholder(f"w{i}") for i in range(2)]
     h = g.placeholder("h")
-    for i, w in enumerate(xs):
-        a = g.call_function(torch.ops.aten.mul.Tensor, (h, w))
+    for i, w in enumerate(xs):  # matrix products: an element-wise op only the outer graph reads stays outside
+        a = g.call_function(torch.ops.aten.mm.default, (h, w))
         a.meta["custom"] = {"layer": i}
         out = g.call_function(torch.ops.aten.neg.default, (a,))  # outside the layer: no annotation
         out.meta["custom"] = {"module": "between"}
-        b = g.call_function(torch.ops.aten.add.Tensor, (out, w))
+        b = g.call_function(torch.ops.aten.mm.default, (out, w))
         b.meta["custom"] = {"layer": i}
         h = b
     g.output((h,))
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     for n in gm.graph.nodes:
-        n.meta["val"] = torch.empty(2)
-    new, kinds, calls = wrap_layers(gm, _labels(gm, set()), _layer_dependent(gm, 2, set()))
-    assert (kinds, calls) == (2, 4)  # mul and add of each layer: two kinds, called twice each
-    x = [torch.randn(2) for _ in range(3)]
+        n.meta["val"] = torch.empty(2, 2)
+    new, kinds, calls, _ = wrap_layers(gm, _labels(gm, set()), _layer_dependent(gm, 2, set()))
+    assert (kinds, calls) == (1, 4)  # each layer cut in two there: four calls of one product
+    x = [torch.randn(2, 2) for _ in range(3)]
     assert torch.equal(new(*x)[0], gm(*x)[0])
-    # The same operations in another precision share no subgraph: nothing repeats.
+    # The same operations in another precision share no subgraph: one kind per precision.
     for n in gm.graph.nodes:
         if n.meta.get("custom", {}).get("layer") == 1:
-            n.meta["val"] = torch.empty(2, dtype=torch.float64)
-    assert wrap_layers(gm, _labels(gm, set()), _layer_dependent(gm, 2, set())) is None
+            n.meta["val"] = torch.empty(2, 2, dtype=torch.float64)
+    assert wrap_layers(gm, _labels(gm, set()), _layer_dependent(gm, 2, set()))[1:3] == (2, 4)
+
+
+def test_inductor_failing_on_the_layer_calls_compiles_the_layers_inline(monkeypatch):
+    """Where Inductor cannot compile a graph's layer calls (a bug of its own: torch 2.11 on a GPU
+    refused one), the same graph with every layer inline is compiled instead, said in the notes,
+    and the step is the model's."""
+    from autopar import backend
+
+    real = backend.compile_graph
+
+    def refuse_calls(gm, inductor):
+        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
+            raise RuntimeError("Failed to run autotuning code block: name 'workspace_0' is not defined")
+        return real(gm, inductor)
+
+    monkeypatch.setattr(backend, "compile_graph", refuse_calls)
+    torch.manual_seed(0)
+    ref = zoo.build("hf-llama", num_hidden_layers=3)
+    ids, tgt = batch(1)
+    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8)
+    notes = pm.info.notes["regions"]
+    assert any(line.startswith("forward: compiled with every layer inline, Inductor failed") for line in notes), notes
+    assert not any("segment" in n.meta for n in pm._step_runner.compiled.fw_graph.graph.nodes)
+    loss, grads = _step(pm, ids, tgt)
+    want = default_loss(ref(ids), tgt)
+    want.backward()
+    assert abs(loss - float(want)) <= 1e-5 * abs(float(want))
+    for name, p in ref.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max())), name

@@ -20,11 +20,15 @@ share (rotary tables, masks: values that depend on no parameter).
   its outputs are every value any of them hands out (the partitioner may save a different value
   of the first layer). A segment that occurs once stays inline.
 
-The flat graphs stay what ``memory.py`` walks and ``explain`` lists; the graphs with calls are
-what Inductor compiles (``StepGraphs.fw_regions``/``bw_regions``). Off by default: a call holds
-its inputs until it returns (the flat graph frees each at its last use), which the walk does not
-price yet (+10-19% allocator peak over the walk at the test sizes), and under TP + SP with
-bf16-mixed the first loss came out equal to fp32's, not yet explained.
+- **Tails.** An element-wise tail of a layer that only the outer graph's compute reads (a
+  gradient's cast to the reduction dtype, the norm before a sequence-parallel gather) stays in
+  the outer graph, fused with its reader: inside, the call would return it as a buffer.
+
+The graphs with calls are what Inductor compiles (``StepGraphs.fw_regions``/``bw_regions``); the
+flat graphs are rewritten into the order the calls run, each segment's nodes together and
+labelled (``meta["segment"]``), and stay what ``memory.py`` walks and ``explain`` lists. Inductor
+frees a call's inputs at their last use inside it (its boxed subgraph clears the argument list),
+so the walk's rules hold, with one more: a value crossing a call's boundary is a buffer.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from autopar.memory import in_kernel
 from autopar.passes.ac import _draws_random
 
 _INVOKE = torch.ops.higher_order.invoke_subgraph
@@ -58,7 +63,8 @@ def regions(graphs, plan, ctx):
         else:
             out = wrap_layers(gm, _labels(gm, shared), _layer_dependent(gm, 0, shared))
         if out is not None:
-            wrapped, kinds, calls = out
+            wrapped, kinds, calls, ordered = out
+            setattr(graphs, attr, ordered)
             setattr(graphs, f"{attr}_regions", wrapped)
             notes.append(f"{attr}: {calls} layer segments as calls of {kinds} compiled subgraphs")
     for line in notes:
@@ -165,14 +171,21 @@ def _key(seg: list[fx.Node], ins: list[fx.Node]) -> tuple:
                  for n in seg) + tuple(shape(a.meta.get("val")) for a in ins)
 
 
-def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple[fx.GraphModule, int, int] | None:
+def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple | None:
     """``gm`` rebuilt with each repeated layer segment a call of its kind's subgraph: (graph,
-    kinds, calls), or None when no segment repeats. ``label``: each node's layer (``_labels``);
+    kinds, calls, the flat graph in the calls' order: ``_rebuild``), or None when no segment repeats. ``label``: each node's layer (``_labels``);
     ``dep``: the nodes a layer computes of its own (``_layer_dependent``)."""
     members = {}
     for n in gm.graph.nodes:  # in order: an item of an outer node's tuple stays outer with it
         if n in label and n in dep and not _outer(n) and (n.target is not operator.getitem or n.args[0] in members):
             members[n] = label[n]
+    # An element-wise tail that only the outer graph's compute reads (a gradient's cast to the
+    # reduction's dtype, which Inductor writes straight into the flat reduce bucket; the norm
+    # before a sequence-parallel gather) stays outside with its reader: inside, the call would
+    # return it as a buffer of its own. A value the graph returns is a buffer either way.
+    for n in reversed(list(members)):
+        if in_kernel(n) and n.users and not any(u in members or u.op == "output" for u in n.users):
+            del members[n]
     segs = [(s, _inputs(s)) for s in _segments(gm, members)]
     keys = [_key(s, ins) for s, ins in segs]
     count: dict = {}
@@ -200,15 +213,22 @@ def _subgraph(seg: list[fx.Node], ins: list[fx.Node], outs: list[int]) -> fx.Gra
     return g
 
 
-def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple[fx.GraphModule, int, int] | None:
-    """The new graph: the original nodes in order, each wrapped segment emitted as one call where
-    its last node was; a node that reads a segment not emitted yet waits until it is. The
-    subgraphs become submodules of ``gm`` (its own graph is not changed)."""
+def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple | None:
+    """The new graphs: the original nodes in order, each wrapped segment emitted as one call where
+    its first node was, or as soon after as what it reads is made; a node that reads a segment
+    not emitted yet waits until it is. (At its last node, a layer whose saved values the
+    partitioner detaches at the end of the forward would run after every later layer's gathers.)
+    Returns (graph with calls, kinds, calls, flat graph): the flat graph holds the same nodes in
+    the order the calls run them, each segment's nodes together and labelled
+    ``meta["segment"]`` and, where the call returns it, ``meta["segment_out"]`` (what ``memory.py``
+    walks: a value the call returns is a buffer until the call ends, never a fused kernel's
+    register; a kind returns what any of its segments hands out). The subgraphs become submodules of the graph with calls."""
     names: dict = {}
-    last = {s[-1]: i for i, (s, _, _) in enumerate(wrapped)}
+    first = {s[0]: i for i, (s, _, _) in enumerate(wrapped)}
     inside = {n for s, _, _ in wrapped for n in s}
-    items = [("seg", last[n]) if n in last else ("node", n) for n in gm.graph.nodes if n in last or n not in inside]
+    items = [("seg", first[n]) if n in first else ("node", n) for n in gm.graph.nodes if n in first or n not in inside]
     g, env = fx.Graph(), {}
+    flat, flat_env = fx.Graph(), {}
 
     def ready(item) -> bool:
         return all(a in env for a in (wrapped[item[1]][1] if item[0] == "seg" else item[1].all_input_nodes))
@@ -216,8 +236,12 @@ def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple[fx.GraphMod
     def emit(item) -> None:
         if item[0] == "node":
             env[item[1]] = g.node_copy(item[1], lambda x: env[x])
+            flat_env[item[1]] = flat.node_copy(item[1], lambda x: flat_env[x])
             return
         s, ins, k = wrapped[item[1]]
+        for j, n in enumerate(s):
+            flat_env[n] = flat.node_copy(n, lambda x: flat_env[x])
+            flat_env[n].meta = {**n.meta, "segment": item[1], "segment_out": j in outs[k]}
         if k not in names:
             names[k] = f"_layer_segment_{len(names)}"
             gm.add_submodule(names[k], fx.GraphModule(gm, _subgraph(s, ins, outs[k])))
@@ -235,6 +259,7 @@ def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple[fx.GraphMod
             pending.remove(p)
     if pending:
         return None  # a segment that reads itself through the outer graph: leave the graph flat
-    new = fx.GraphModule(gm, g)
+    new, ordered = fx.GraphModule(gm, g), fx.GraphModule(gm, flat)
     new.graph.lint()
-    return new, len(names), len(wrapped)
+    ordered.graph.lint()
+    return new, len(names), len(wrapped), ordered
