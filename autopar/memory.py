@@ -20,10 +20,10 @@ With several microbatches the gradients of the earlier ones are held through the
 Inductor (the default path) generates element-wise ops, reductions, dtype casts, softmax and the
 loss's own ops inside fused kernels: a value such an op makes and only such ops read (through any
 view), or a concatenation or scatter that computes it inline while writing its own output, is a
-register inside a kernel, never a buffer; not across a layer segment's call (``passes/regions.py``:
-each distinct layer compiled once), whose inputs and outputs are buffers. ``fused=True`` walks that program (the one
-that runs by default); ``fused=False`` the eager graphs of ``compile=False``, which allocate every
-node's output. The difference is largest at the loss, where the fp32 logits, their log-softmax and
+register inside a kernel, never a buffer; not across a layer segment's call
+(``passes/regions.py``: each distinct layer compiled once), whose inputs and outputs are
+buffers. ``fused=True`` walks that program (the one that runs by default); ``fused=False`` the
+eager graphs of ``compile=False``, which allocate every node's output. The difference is largest at the loss, where the fp32 logits, their log-softmax and
 its gradient are vocabulary-wide.
 """
 

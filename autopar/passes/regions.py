@@ -173,8 +173,9 @@ def _key(seg: list[fx.Node], ins: list[fx.Node]) -> tuple:
 
 def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple | None:
     """``gm`` rebuilt with each repeated layer segment a call of its kind's subgraph: (graph,
-    kinds, calls, the flat graph in the calls' order: ``_rebuild``), or None when no segment repeats. ``label``: each node's layer (``_labels``);
-    ``dep``: the nodes a layer computes of its own (``_layer_dependent``)."""
+    kinds, calls, the flat graph in the calls' order: ``_rebuild``), or None when no segment
+    repeats. ``label``: each node's layer (``_labels``); ``dep``: the nodes a layer computes of
+    its own (``_layer_dependent``)."""
     members = {}
     for n in gm.graph.nodes:  # in order: an item of an outer node's tuple stays outer with it
         if n in label and n in dep and not _outer(n) and (n.target is not operator.getitem or n.args[0] in members):
@@ -222,7 +223,8 @@ def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple | None:
     the order the calls run them, each segment's nodes together and labelled
     ``meta["segment"]`` and, where the call returns it, ``meta["segment_out"]`` (what ``memory.py``
     walks: a value the call returns is a buffer until the call ends, never a fused kernel's
-    register; a kind returns what any of its segments hands out). The subgraphs become submodules of the graph with calls."""
+    register; a kind returns what any of its segments hands out). The subgraphs become
+    submodules of the graph with calls."""
     names: dict = {}
     first = {s[0]: i for i, (s, _, _) in enumerate(wrapped)}
     inside = {n for s, _, _ in wrapped for n in s}
