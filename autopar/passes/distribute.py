@@ -305,61 +305,15 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     tangents = [torch.ones(outs_meta[i].shape, dtype=outs_meta[i].dtype, device=outs_meta[i].device) for i in float_out]
     with fx_traceback.preserve_node_meta():
         traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
-    if _without_mutations(traced):
-        return traced
 
-    # Functionalise (the forward may mutate fresh tensors in ways the rewrite above does not take)
-    # for the partitioner; an Interpreter keeps each node's meta (pass, source, layer) on the new
-    # nodes. A second trace of the whole step: as long as the first.
+    # Functionalise (the forward may mutate fresh tensors, e.g. add_ on an arange) for the
+    # partitioner; an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
     def fn(primals, tangents):
         return torch.fx.Interpreter(traced).run(*primals, *tangents)
 
     with fx_traceback.preserve_node_meta():
         return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
                        _allow_non_fake_inputs=True)(example, tangents)
-
-
-def _without_mutations(gm: torch.fx.GraphModule) -> bool:
-    """Rewrite each in-place op of ``gm`` (``x.add_(y)``: an arange's offset, autograd summing a
-    value's gradients) into its functional form with ``x``'s later readers reading the result,
-    where that is all it means: ``x`` is a fresh value (not an input, not a view of another)
-    that no view reads. Returns whether ``gm`` is then free of mutations (``False``: left as it
-    was, for functionalisation to handle)."""
-    from torch._guards import detect_fake_mode
-
-    from autopar.fxops import is_view
-
-    muts = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and n.target._schema.is_mutable]
-    plans = []
-    for n in muts:
-        schema, x = n.target._schema, n.args[0] if n.args else None
-        writes = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        name = n.target._opname
-        functional = getattr(getattr(torch.ops.aten, name[:-1], None), n.target._overloadname, None)
-        if (n.target.namespace != "aten" or not name.endswith("_") or functional is None or len(writes) != 1
-                or writes[0] is not schema.arguments[0] or not isinstance(x, torch.fx.Node)
-                or x.op != "call_function" or is_view(x.target)
-                or any(u.op == "call_function" and is_view(u.target) for u in x.users)):
-            return False
-        plans.append((n, functional))
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for n, functional in plans:
-        x = n.args[0]
-        vals = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], (n.args, n.kwargs))
-        with detect_fake_mode(pytree.tree_leaves(vals)):
-            val = functional(*vals[0], **vals[1])
-        with gm.graph.inserting_before(n):
-            new = gm.graph.call_function(functional, n.args, n.kwargs)
-        new.meta = {**n.meta, "val": val}
-        for u in list(x.users):
-            if u is not n and u is not new and order[u] > order[n]:
-                u.replace_input_with(x, new)
-        n.replace_all_uses_with(new)
-        gm.graph.erase_node(n)
-    gm.graph.lint()
-    gm.recompile()
-    return True
 
 
 def grad_inputs(sg, example: list) -> list[int]:
