@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -43,7 +43,8 @@ class CompiledStep:
     n_input_grads: int = 0
     bw_weight_strides: list = None
     inductor: bool = True  # compiled by Inductor (False: the graphs run as they are)
-    fallbacks: list = None  # graphs compiled with every layer inline after Inductor failed on their layer calls
+    # Graphs compiled with every layer inline after Inductor failed on their layer calls.
+    fallbacks: list = field(default_factory=list)
 
 
 def partition(joint: torch.fx.GraphModule, plan, ctx) -> StepGraphs:

@@ -11,10 +11,10 @@ came from.
 Memory: ``memory.step_peak`` walks the executed graphs at the plan's real shapes (sequence,
 microbatch, mesh). A stack of identical layers holds memory affine in its layer counts per AC
 mode, so the walk runs on 3 layers, 4 layers and, for each other AC mode in the plan, 3 + 1 layers
-of that mode, and the plan's depth is read off that line (from 3 layers on, the program's shape
-stops changing with depth: the top layers' compute runs as calls of one compiled subgraph, the
-bottom layer's backward, which hands its gradient to the embedding, inline) (``tests/test_memory.py`` holds the
-extrapolation against a walk at full depth). What the rank holds outside the step (parameter
+of that mode, and the plan's depth is read off that line (``tests/test_memory.py`` holds the
+extrapolation against a walk at full depth). Three, not two: with each distinct layer compiled
+once (``regions``), a 2-layer backward has nothing that repeats (its bottom layer, which hands
+its gradient to the embedding, differs), so the program's shape settles only from 3 layers on. What the rank holds outside the step (parameter
 shards, their gradients and AdamW's two moments, in the executed dtype) is added to give the
 executed total beside the cost model's.
 """

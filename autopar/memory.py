@@ -23,8 +23,8 @@ view), or a concatenation or scatter that computes it inline while writing its o
 register inside a kernel, never a buffer; not across a layer segment's call
 (``passes/regions.py``: each distinct layer compiled once), whose inputs and outputs are
 buffers. ``fused=True`` walks that program (the one that runs by default); ``fused=False`` the
-eager graphs of ``compile=False``, which allocate every node's output. The difference is largest at the loss, where the fp32 logits, their log-softmax and
-its gradient are vocabulary-wide.
+eager graphs of ``compile=False``, which allocate every node's output. The difference is largest
+at the loss, where the fp32 logits, their log-softmax and its gradient are vocabulary-wide.
 """
 
 from __future__ import annotations

@@ -42,11 +42,11 @@ def _compile(kind: str, plan: dict):
     return _compiled[key]
 
 
-def _build(kind: str, plan: dict):
+def _build(kind: str, plan: dict, **options):
     torch.manual_seed(0)
     model = zoo.build(kind)
     ids = torch.zeros((8, 32), dtype=torch.long)
-    return autopar.compile(model, WORLD, example_inputs=(ids,), plan={**plan, "mb": 2})  # default options: Inductor on
+    return autopar.compile(model, WORLD, example_inputs=(ids,), plan={**plan, "mb": 2}, **options)  # Inductor on
 
 
 def _layer(n: torch.fx.Node) -> int | None:
@@ -122,18 +122,17 @@ def test_liveness_holds_at_most_two_layers_gathered(fake_group):
 
 def test_layer_calls_run_in_the_order_the_walk_reads(fake_group, monkeypatch):
     """With each layer compiled once (``passes/regions.py``, ``enable_passes=("regions",)``), the
-    graphs Inductor compiles call a subgraph per layer segment; the flat graphs the walk reads hold the same nodes in the same
-    order (each segment's nodes together, where its call runs), and the calls interleave with
-    the gathers as the flat graph does (a call placed at its segment's last node ran every
-    layer's gather before the first layer's compute: the whole model resident)."""
+    graphs Inductor compiles call a subgraph per layer segment; the flat graphs the walk reads
+    hold the same nodes in the same order (each segment's nodes together, where its call runs),
+    and the calls interleave with the gathers as the flat graph does (a call placed at its
+    segment's last node ran every layer's gather before the first layer's compute: the whole
+    model resident)."""
     from autopar import backend
 
     compiled = []
     real = backend.compile_graph
     monkeypatch.setattr(backend, "compile_graph", lambda gm, inductor: compiled.append(gm) or real(gm, inductor))
-    torch.manual_seed(0)
-    pm = autopar.compile(zoo.build("llama-tiny-4layers"), WORLD, example_inputs=(torch.zeros((8, 32), dtype=torch.long),),
-                         plan={**FSDP, "mb": 2}, enable_passes=("regions",))
+    pm = _build("llama-tiny-4layers", FSDP, enable_passes=("regions",))
     invoke = torch.ops.higher_order.invoke_subgraph
 
     def outer(gm, flat: bool) -> list:
