@@ -102,3 +102,39 @@ def test_inductor_failing_on_the_layer_calls_compiles_the_layers_inline(monkeypa
     assert abs(loss - float(want)) <= 1e-5 * abs(float(want))
     for name, p in ref.named_parameters():
         assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max())), name
+
+
+def test_what_a_layer_hands_out_as_a_view_is_read_where_it_lies():
+    """A layer whose outputs Inductor would return as views (a transposed input; a copy of the
+    second half of a split, which Inductor turns into a view at an offset into the call's own
+    buffer) computes under regions what the flat graph computes: those views are made outside
+    the call, from what it returns."""
+    import torch.fx.traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar import backend
+
+    def step(w0, w1, h):
+        outs = []
+        for i, w in enumerate((w0, w1)):
+            with fx_traceback.annotate({"layer": i}):
+                h = torch.mm(h, w).tanh()
+                s = h.sum(0, keepdim=True).view(-1)
+                outs += [s.split(s.shape[0] // 2)[1].clone(), w.t()]
+        with fx_traceback.annotate({"module": "head"}):  # read by the outer graph's own kernels
+            return [h, *(o * 2 for o in outs)]
+
+    args = [torch.randn(16, 16), torch.randn(16, 16), torch.randn(8, 16)]
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(step, tracing_mode="fake")(*args)
+    out = wrap_layers(gm, _labels(gm, set()), _layer_dependent(gm, 2, set()))
+    assert out is not None and out[2] == 2, "both layers are calls of one subgraph"
+    wrapped = out[0]
+    sub = next(m for name, m in wrapped.named_children() if name.startswith("_layer_segment"))
+    returned = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    assert not any(n.op == "placeholder" or torch.ops.aten.clone.default == n.target for n in returned), \
+        "no input and no copy of a view handed out by the call"
+    want = step(*args)
+    got = backend.compile_graph(wrapped, inductor=True)(list(args))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.allclose(g, w, atol=1e-5), f"output {i}"

@@ -38,6 +38,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from autopar.fxops import is_view
 from autopar.memory import in_kernel
 from autopar.passes.ac import _draws_random
 
@@ -199,7 +200,61 @@ def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple | None:
     for s, _, k in wrapped:
         inside = set(s)
         outs.setdefault(k, set()).update(j for j, n in enumerate(s) if any(u not in inside for u in n.users))
-    return _rebuild(gm, wrapped, {k: sorted(v) for k, v in outs.items()})
+    views: dict = {}
+    for s, _, k in wrapped:
+        if k not in views:
+            outs[k], views[k] = _fresh_outputs(s, outs[k])
+    return _rebuild(gm, wrapped, outs, views)
+
+
+# Operations Inductor may lower to a view of their input or drop as no-ops (its ``remove_noop_ops``
+# turns ``clone(x)`` into ``x``, ``x ** 1`` into ``x``, a one-piece ``cat`` into its piece).
+_PASS_THROUGH = {"clone", "alias", "copy", "_to_copy", "convert_element_type", "device_put", "contiguous", "cat",
+                 "constant_pad_nd", "repeat", "pow", "round", "ceil", "floor", "trunc", "_unsafe_view"}
+
+
+def _source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """What ``n``'s value may be a view of once Inductor lowers it, and the nodes between (``n``
+    first): its input for a view (``t``, ``detach``, an item of ``split`` with the ``split``) or
+    a pass-through operation with one input; None for anything else."""
+    if n.op != "call_function":
+        return None
+    if n.target is operator.getitem:
+        lst = n.args[0]
+        rets = getattr(lst.target, "_schema", None) and lst.target._schema.returns
+        if lst.op == "call_function" and rets and rets[0].alias_info is not None and isinstance(lst.args[0], fx.Node):
+            return lst.args[0], [n, lst]
+        return None
+    if not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    ins = n.all_input_nodes
+    if len(ins) != 1 or not (is_view(n.target) or n.target.overloadpacket.__name__ in _PASS_THROUGH):
+        return None
+    return ins[0], [n]
+
+
+def _fresh_outputs(seg: list[fx.Node], outs: set[int]) -> tuple[list[int], list[list[int]]]:
+    """A kind's outputs with none that Inductor could return as a view. The outer graph takes
+    what a call returns for a buffer of its own: a returned view of an input lets it reuse that
+    input's memory while the view still reads it, and a returned view into the call's own buffer
+    at an offset is read at that offset twice (torch 2.13's ``InvokeSubgraph`` keeps the offset in
+    the output's layout; a split's second half reads past its buffer's end). So each output that
+    is a view or a pass-through of another value is returned as that value (a node of the segment
+    that is neither), or not at all for a view of an input, and the nodes between are replayed
+    outside the call. Returns (outputs, chains: the replayed nodes' indices, the handed-out one
+    first)."""
+    idx = {n: j for j, n in enumerate(seg)}
+    direct, chains = set(), []
+    for j in sorted(outs):
+        chain, n = [], seg[j]
+        while n in idx and (src := _source(n)) is not None:
+            chain += [idx[m] for m in src[1] if m in idx]
+            n = src[0]
+        if chain:
+            chains.append(chain)
+        if n in idx:
+            direct.add(idx[n])
+    return sorted(direct), chains
 
 
 def _subgraph(seg: list[fx.Node], ins: list[fx.Node], outs: list[int]) -> fx.Graph:
@@ -214,7 +269,7 @@ def _subgraph(seg: list[fx.Node], ins: list[fx.Node], outs: list[int]) -> fx.Gra
     return g
 
 
-def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple | None:
+def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict, views: dict) -> tuple | None:
     """The new graphs: the original nodes in order, each wrapped segment emitted as one call where
     its first node was, or as soon after as what it reads is made; a node that reads a segment
     not emitted yet waits until it is. (At its last node, a layer whose saved values the
@@ -241,9 +296,11 @@ def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple | None:
             flat_env[item[1]] = flat.node_copy(item[1], lambda x: flat_env[x])
             return
         s, ins, k = wrapped[item[1]]
+        outside = {j for chain in views[k] for j in chain}  # replayed after the call
         for j, n in enumerate(s):
             flat_env[n] = flat.node_copy(n, lambda x: flat_env[x])
-            flat_env[n].meta = {**n.meta, "segment": item[1], "segment_out": j in outs[k]}
+            if j not in outside:
+                flat_env[n].meta = {**n.meta, "segment": item[1], "segment_out": j in outs[k]}
         if k not in names:
             names[k] = f"_layer_segment_{len(names)}"
             gm.add_submodule(names[k], fx.GraphModule(gm, _subgraph(s, ins, outs[k])))
@@ -252,6 +309,10 @@ def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict) -> tuple | None:
         for i, j in enumerate(outs[k]):
             env[s[j]] = g.call_function(operator.getitem, (call, i))
             env[s[j]].meta = dict(s[j].meta)
+        for chain in views[k]:
+            for j in reversed(chain):
+                if s[j] not in env:
+                    env[s[j]] = g.node_copy(s[j], lambda x: env[x])
 
     pending: list = []
     for item in items:
