@@ -51,7 +51,7 @@ def run_case(world: int, case: dict) -> dict:
     par = copy.deepcopy(ref)
     xs, tgt = model_batch(case, 1)
     loss_fn = zoo.loss_of(case.get("model", "llama-tiny"))
-    kw = {k: case[k] for k in ("compile", "disable_passes") if k in case}
+    kw = {k: case[k] for k in ("compile", "disable_passes", "enable_passes") if k in case}
     fsdp2 = None
     if case.get("mp"):  # mixed precision: FSDP2 with the same policy, on these processes, is the reference
         kw["mp_policy"] = policy(case["mp"])

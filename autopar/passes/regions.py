@@ -204,6 +204,9 @@ def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple | None:
     for s, _, k in wrapped:
         if k not in views:
             outs[k], views[k] = _fresh_outputs(s, outs[k])
+    wrapped = [w for w in wrapped if outs[w[2]]]  # a segment that only views its inputs stays inline
+    if not wrapped:
+        return None
     return _rebuild(gm, wrapped, outs, views)
 
 
