@@ -20,6 +20,9 @@ share (rotary tables, masks: values that depend on no parameter).
   its outputs are every value any of them hands out (the partitioner may save a different value
   of the first layer). A segment that occurs once stays inline.
 
+- **Outputs.** A call hands out no view: a value that is a view, or a copy Inductor may drop, of
+  another is returned as that other value and remade outside the call (``_fresh_outputs``).
+
 - **Tails.** An element-wise tail of a layer that only the outer graph's compute reads (a
   gradient's cast to the reduction dtype, the norm before a sequence-parallel gather) stays in
   the outer graph, fused with its reader: inside, the call would return it as a buffer.
