@@ -22,9 +22,9 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
    into its input-gradient and weight-gradient parts.
 6. ``regions`` (``passes/regions.py``, off by default, ``enable_passes=("regions",)``): each
    repeated layer's compute as calls of one shared subgraph per distinct segment, so Inductor
-   compiles each distinct layer once (off until mixed precision under TP + SP rounds with it as
-   the flat graphs do: Inductor elides more bf16 round trips inside its calls' fused kernels, and
-   HF Llama's first bf16-mixed loss under TP 2 x FSDP 2 + SP came out at the fp32 loss).
+   compiles each distinct layer once (off until the parity matrix passes with it on: HF Llama's
+   first bf16-mixed loss under TP 2 x FSDP 2 + SP came out at the fp32 loss, which the flat graphs
+   also do at another batch size: Inductor's in-kernel fp32 intermediates, not yet settled).
 
 Then Inductor compiles each graph whole (``backend.compile_step``), keeping the order the passes
 chose; ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for
@@ -144,7 +144,7 @@ def step_passes() -> list[Pass]:
         Pass("overlap", StepGraphs, StepGraphs, overlap, when=lambda ctx: ctx.step.dp is not None, optional=True),
         Pass("zero-bubble split", StepGraphs, StepGraphs, split_weight_gradients,
              when=lambda ctx: ctx.step.split_weight is not None),
-        # Off by default until mixed precision under TP + SP rounds as the flat graphs do.
+        # Off by default until the parity matrix passes with it on (bf16-mixed under TP + SP).
         Pass("regions", StepGraphs, StepGraphs, regions, optional=True, on_by_default=False),
     ]
 

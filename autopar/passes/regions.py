@@ -216,7 +216,7 @@ def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple | None:
 # Operations Inductor may lower to a view of their input or drop as no-ops (its ``remove_noop_ops``
 # turns ``clone(x)`` into ``x``, ``x ** 1`` into ``x``, a one-piece ``cat`` into its piece).
 _PASS_THROUGH = {"clone", "alias", "copy", "_to_copy", "convert_element_type", "device_put", "contiguous", "cat",
-                 "constant_pad_nd", "repeat", "pow", "round", "ceil", "floor", "trunc", "_unsafe_view"}
+                 "constant_pad_nd", "repeat", "pow", "round", "ceil", "floor", "trunc"}
 
 
 def _source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
