@@ -699,7 +699,7 @@ def _local_shards(model: nn.Module, sg) -> list[torch.Tensor]:
     return [getattr(q, "_local_tensor", q).detach() for q in (model.get_parameter(n) for n in sg.param_names)]
 
 
-def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set, enabled: set,
+def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bool, disabled: set,
                   inputs: list, info, key: str):
     """The registered passes (``passes.step_passes``) and the backend on one step graph
     (``inputs``: its example inputs after the parameters and buffers); its collectives, notes
@@ -721,7 +721,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
                                  groups={mesh.get_group(d).group_name for d in lay.dp_dims})
     if p.pp > 1 and p.schedule in ZERO_BUBBLE:
         state.split_weight = sum(i < len(params) for i in grad_index)
-    ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled), enabled=set(enabled), step=state)
+    ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled), step=state)
     graphs = run_passes(sg.gm, ctx, step_passes())
     compiled = backend.compile_step(graphs, inductor=inductor and "inductor" not in disabled)
     for line in compiled.fallbacks:
@@ -758,7 +758,7 @@ def _collective_records(compiled, mesh) -> list[dict]:
 
 def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: torch.Tensor, loss_fn: Callable,
                       name: str, split_head: bool, *,
-                      inductor: bool, disabled: set, enabled: set, mixed: RunPrecision):
+                      inductor: bool, disabled: set, mixed: RunPrecision):
     """Pipeline plans: the forward graph cut into stage graphs (``passes/pp.py``); this rank's
     stages each go through the same passes and backend; parameters of other ranks' stages are
     dropped from the module."""
@@ -810,7 +810,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: to
         st_inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype, device=mb_inputs[0].device
                                  ).requires_grad_(ph.meta["val"].is_floating_point()) for ph in phs[:st.n_received]]
         runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
-                                        disabled=disabled, enabled=enabled, inputs=st_inputs + mb_inputs, info=info,
+                                        disabled=disabled, inputs=st_inputs + mb_inputs, info=info,
                                         key=f"stage {s}"))
     p = dataclasses.replace(p, placements=tuple(placements), tp_notes=tuple(notes))
     return ParallelModule(model, p, mesh, step_runner=None, forward_factory=None, loss_fn=loss_fn, info=info,
@@ -853,7 +853,7 @@ def _tied_groups(shared: dict, p: Plan, mesh, rank: int) -> list[tuple[str, Any,
 def compile(
     model: nn.Module, mesh: Any, *, example_inputs: tuple, example_target: torch.Tensor | None = None,
     loss_fn: Callable | None = None, plan: Any = "auto", hardware: Any = None, global_batch: int | None = None,
-    memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (), enable_passes: tuple = (),
+    memory_limit_gb: float | None = None, compile: bool = True, disable_passes: tuple = (),
     tune: bool = False, tune_top: int = 4, tune_steps: int = 2, tune_db: str | None = None,
     mp_policy: Any = None,
 ):
@@ -870,8 +870,7 @@ def compile(
     meaning) or a precision name (``bf16-mixed``: fp32 masters, bf16 compute and gathers, fp32
     gradient reduction); by default a given plan's precision, else the parameters' own dtype.
     ``disable_passes``: optional passes (``ac``, ``overlap``) or switches (``bucket``,
-    ``inductor``) to turn off, for debugging; anything else is refused. ``enable_passes``: passes
-    that are off by default to turn on (``regions``: each distinct layer compiled once).
+    ``inductor``, ``regions``) to turn off, for debugging; anything else is refused.
     """
     from autopar.runtime import guarded
 
@@ -880,14 +879,14 @@ def compile(
         pm = _compile(model, mesh, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn,
                       plan=plan, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
-                      disable_passes=disable_passes, enable_passes=enable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
+                      disable_passes=disable_passes, tune=tune, tune_top=tune_top, tune_steps=tune_steps,
                       tune_db=tune_db, mp_policy=mp_policy)
     pm.info.compile_s = time.perf_counter() - t0
     return pm
 
 
 def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hardware, global_batch, memory_limit_gb, compile,
-             disable_passes, enable_passes, tune, tune_top, tune_steps, tune_db, mp_policy):
+             disable_passes, tune, tune_top, tune_steps, tune_db, mp_policy):
     import copy
 
     import torch.distributed as dist
@@ -899,7 +898,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
 
     if not isinstance(model, nn.Module):
         raise AutoparError(f"autopar.compile takes an nn.Module, got {type(model).__name__}")
-    disabled, enabled = check_pass_names(disable_passes, enable_passes)
+    disabled = check_pass_names(disable_passes)
     world, device = _mesh_world(mesh)
     from_mesh = mesh_pins(mesh)
     if dist.is_initialized() and world != dist.get_world_size():
@@ -959,7 +958,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     if p.pp > 1:
         pm = _compile_pipeline(model, p, dmesh, example_inputs, target, loss_fn, prof.source_name, split_head,
                                inductor=compile,
-                               disabled=disabled, enabled=enabled, mixed=mixed)
+                               disabled=disabled, mixed=mixed)
         pm.tuning = tuning
         return pm
     mb_inputs = [x[: p.mb] for x in example_inputs]
@@ -977,7 +976,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
 
     info = CompileInfo(sg.param_names, inputs=[*mb_inputs, mb_tgt], buffers=[model.get_buffer(n) for n in sg.buffer_names])
     step_runner = _build_runner(sg, p, dmesh, lay, rules, locals_, model, inductor=compile,
-                                disabled=disabled, enabled=enabled, inputs=info.inputs, info=info, key="step")
+                                disabled=disabled, inputs=info.inputs, info=info, key="step")
 
     def forward_factory(inputs: tuple):
         """The forward graph for the user's own loop, built at the first call with a shape."""
@@ -986,7 +985,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
         fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
         frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp, split_head) if p.tp > 1 else None
         runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model, inductor=compile,
-                               disabled=disabled, enabled=enabled, inputs=list(inputs), info=info, key="forward")
+                               disabled=disabled, inputs=list(inputs), info=info, key="forward")
         info.output_type = fsg.output_type
         return runner
 

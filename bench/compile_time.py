@@ -4,9 +4,9 @@ same model: ``torch.compile`` applied to each decoder block (torchtitan's way: i
 reuse one compiled graph). Each measurement runs in a fresh process with an empty Inductor cache,
 so nothing is reused between them. HF Llama, hidden 64, fp32, batch 4 x 64, at several depths.
 
-``python -m bench.compile_time [--layers 8 16 32]``: autopar as it is by default (every layer
-compiled inline) and with its ``regions`` pass on (``enable_passes=("regions",)``: each distinct
-layer compiled once); ``--no-regions`` leaves that row out.
+``python -m bench.compile_time [--layers 8 16 32]``: autopar as it is by default (its ``regions``
+pass: each distinct layer compiled once) and without it (``disable_passes=("regions",)``: every
+layer compiled inline); ``--no-flat`` leaves that row out.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _measure(rank: int, world: int, port: int, how: str, layers: int) -> dict:
         import autopar
 
         pm = autopar.compile(model, 1, example_inputs=(ids,), plan=f"mb={BATCH}", global_batch=BATCH,
-                             hardware="cpu", enable_passes=("regions",) if how == "autopar regions" else ())
+                             hardware="cpu", disable_passes=("regions",) if how == "autopar flat" else ())
         ready = time.perf_counter()
 
         def step():
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
-    ap.add_argument("--no-regions", action="store_true", help="leave out autopar with its regions pass on")
+    ap.add_argument("--no-flat", action="store_true", help="leave out autopar without its regions pass")
     a = ap.parse_args(argv)
-    hows = ["torch.compile per block", "autopar"] + ([] if a.no_regions else ["autopar regions"])
+    hows = ["torch.compile per block", "autopar"] + ([] if a.no_flat else ["autopar flat"])
     rows = []
     for layers in a.layers:
         for how in hows:

@@ -194,8 +194,8 @@ def stage_rank(small: bool) -> dict:
 
 def stage_startup(how: str, layers: int, small: bool) -> dict:
     """Time to the end of the first step on one GPU, bf16-mixed, in a fresh process with an empty
-    Inductor cache: ``flat``, autopar as it is by default (every layer compiled inline),
-    ``regions`` (``enable_passes=("regions",)``: each distinct layer compiled once), ``block`` (``torch.compile`` on
+    Inductor cache: ``autopar`` as it is by default (each distinct layer compiled once), ``flat``
+    (``disable_passes=("regions",)``: every layer compiled inline), ``block`` (``torch.compile`` on
     each decoder block under ``torch.autocast``, torchtitan's way). Then the median step time."""
     import tempfile
 
@@ -220,7 +220,7 @@ def stage_startup(how: str, layers: int, small: bool) -> dict:
         params = list(model.parameters())
     else:
         pm = autopar.compile(model, 1, example_inputs=(ids,), plan=f"mb={batch}", mp_policy="bf16-mixed", hardware="h100",
-                             global_batch=batch, enable_passes=("regions",) if how == "regions" else ())
+                             global_batch=batch, disable_passes=("regions",) if how == "flat" else ())
         step = functools.partial(pm.step, ids, target=tgt)
         params = list(pm.parameters())
     loss = float(step())
@@ -237,7 +237,7 @@ def stage_startup(how: str, layers: int, small: bool) -> dict:
 
 STAGES = {"calibrate": stage_calibrate, "single": stage_single, "rank": stage_rank}
 STAGES.update({f"start_{how}_{n}": functools.partial(stage_startup, how, n)
-               for n in (8, 32) for how in ("regions", "block", "flat")})
+               for n in (8, 32) for how in ("autopar", "block", "flat")})
 
 
 def _device_name() -> str:

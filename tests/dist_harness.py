@@ -51,7 +51,7 @@ def run_case(world: int, case: dict) -> dict:
     par = copy.deepcopy(ref)
     xs, tgt = model_batch(case, 1)
     loss_fn = zoo.loss_of(case.get("model", "llama-tiny"))
-    kw = {k: case[k] for k in ("compile", "disable_passes", "enable_passes") if k in case}
+    kw = {k: case[k] for k in ("compile", "disable_passes") if k in case}
     fsdp2 = None
     if case.get("mp"):  # mixed precision: FSDP2 with the same policy, on these processes, is the reference
         kw["mp_policy"] = policy(case["mp"])
@@ -99,10 +99,20 @@ def run_case(world: int, case: dict) -> dict:
         out["fsdp2_losses"] = fsdp2["losses"]
         out["dtypes"] = {"params": sorted({str(q.dtype) for q in pm.parameters()}),
                          "grads": sorted({str(q.grad.dtype) for q in pm.parameters() if q.grad is not None})}
+        from autopar.fxops import op_name
+
+        runners = [pm._step_runner] if pm._step_runner is not None else [r for _, r in pm._stages.values()]
+        out["dtypes"]["matmul"] = sorted({str(a.meta["val"].dtype) for r in runners for n in r.compiled.fw_graph.graph.nodes
+                                          if n.op == "call_function" and op_name(n.target) in _MATMULS
+                                          for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)})
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             out["dtypes"][kind] = sorted({r.get("dtype") for recs in pm.info.collectives.values() for r in recs
                                           if r["kind"].startswith(kind) and r["pass"] in ("fsdp", "ddp")})
     return out
+
+
+# The layers' matrix products (a batched one may be a model's own fp32 rotary table, as in HF Llama).
+_MATMULS = ("mm", "addmm", "convolution")
 
 
 def policy(name: str):

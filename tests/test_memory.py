@@ -121,18 +121,17 @@ def test_liveness_holds_at_most_two_layers_gathered(fake_group):
 
 
 def test_layer_calls_run_in_the_order_the_walk_reads(fake_group, monkeypatch):
-    """With each layer compiled once (``passes/regions.py``, ``enable_passes=("regions",)``), the
-    graphs Inductor compiles call a subgraph per layer segment; the flat graphs the walk reads
-    hold the same nodes in the same order (each segment's nodes together, where its call runs),
-    and the calls interleave with the gathers as the flat graph does (a call placed at its
-    segment's last node ran every layer's gather before the first layer's compute: the whole
-    model resident)."""
+    """With each layer compiled once (``passes/regions.py``), the graphs Inductor compiles call a
+    subgraph per layer segment; the flat graphs the walk reads hold the same nodes in the same
+    order (each segment's nodes together, where its call runs), and the calls interleave with
+    the gathers as the flat graph does (a call placed at its segment's last node ran every
+    layer's gather before the first layer's compute: the whole model resident)."""
     from autopar import backend
 
     compiled = []
     real = backend.compile_graph
     monkeypatch.setattr(backend, "compile_graph", lambda gm, inductor: compiled.append(gm) or real(gm, inductor))
-    pm = _build("llama-tiny-4layers", FSDP, enable_passes=("regions",))
+    pm = _build("llama-tiny-4layers", FSDP)
     invoke = torch.ops.higher_order.invoke_subgraph
 
     def outer(gm, flat: bool) -> list:
@@ -220,8 +219,8 @@ def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
 # layer's backward, where the walk keeps the regather's input (the concatenated shards, 0.69 MiB)
 # until the gather's wait, as a real transport holds it; the fake group's gather is done at once
 # and its input freed: 11.7 MiB allocated against 12.4 walked.
-@pytest.mark.parametrize("mp,reshard,lowest,regions", [(None, 1, 0.93, False), ("bf16-mixed", 0, 0.97, False),
-                                                     (None, 1, 0.93, True), ("bf16-mixed", 0, 0.97, True)])
+@pytest.mark.parametrize("mp,reshard,lowest,regions", [(None, 1, 0.93, True), ("bf16-mixed", 0, 0.97, True),
+                                                     (None, 1, 0.93, False), ("bf16-mixed", 0, 0.97, False)])
 def test_compiled_step_allocates_what_its_graphs_hold(fake_group, mp, reshard, lowest, regions):
     """One real step of the Inductor-compiled FSDP graphs (fake process group: collectives allocate
     their outputs and move nothing) allocates at its peak what the liveness walk of the program
@@ -230,13 +229,13 @@ def test_compiled_step_allocates_what_its_graphs_hold(fake_group, mp, reshard, l
     bucket, which the walk of every node's output, the eager graphs', counts twice). A gathered
     buffer kept alive a layer longer than the graph order says (Inductor fusing a parameter's read
     into a later kernel, which ``autopar::copy_out`` prevents) shows as a layer's weights more.
-    With each distinct layer compiled once (``regions``) too: the walk reads the calls' order and
-    prices what crosses a call as a buffer."""
+    With each distinct layer compiled once (``regions``, the default) and without: the walk reads
+    the calls' order and prices what crosses a call as a buffer."""
     torch.manual_seed(0)
     model = zoo.build("llama-small-4layers")
     ids = torch.randint(0, 1024, (8, 16))
     pm = autopar.compile(model, WORLD, example_inputs=(ids,), plan={**FSDP, "mb": 2, "reshard": reshard}, mp_policy=mp,
-                         enable_passes=("regions",) if regions else ())
+                         disable_passes=() if regions else ("regions",))
     step = lambda: pm.step(ids, target=ids)  # noqa: E731
     step()
     for p in pm.parameters():

@@ -171,11 +171,12 @@ def test_parity(launch, c):
 
 def check_mixed(per_rank: list[dict], plan) -> None:
     """Mixed precision ran as FSDP2 runs it: the parameters and their gradients stay fp32, the
-    data-parallel gathers move bf16 and the gradient reductions fp32, and the loss trajectory is
-    FSDP2's within MP_TOL, its first loss nearer to FSDP2's than to fp32's (bf16 really ran;
-    measured 1.7x to 12x nearer over these cases; not a property of every model: autopar's own
-    Llama, whose RMSNorm stays in bf16, ran 1.2x nearer under HSDP and 0.9x under TP + SP with
-    selective AC)."""
+    data-parallel gathers move bf16 and the gradient reductions fp32, every matrix product of the
+    forward's layers takes bf16 (bf16 really ran), and the loss trajectory is FSDP2's
+    within MP_TOL. (Not that the first loss is nearer FSDP2's than fp32's: Inductor keeps some
+    bf16 intermediates in fp32 inside its fused kernels, which puts the compiled loss 1e-5 to 1e-4
+    from eager bf16's, as far as bf16 is from fp32 on these models, on either side: HF Llama under
+    TP 2 + SP, batch 16, every layer inline, landed nearer fp32.)"""
     for r in per_rank:
         assert "error" not in r, f"{r['name']}: {r['error']}\n{r.get('tb', '')}"
     r = per_rank[0]
@@ -187,12 +188,9 @@ def check_mixed(per_rank: list[dict], plan) -> None:
         assert d["all_reduce"] in ([], ["float32"]), d
     sharded = plan.get("fsdp", 0) and plan.get("dp", 1) > 1
     assert any(x["dtypes"]["all_gather" if sharded else "all_reduce"] for x in per_rank), "no data-parallel collective"
-    got, fsdp2, fp32 = r["losses"], r["fsdp2_losses"], r["ref_losses"]
+    assert all(x["dtypes"]["matmul"] == ["torch.bfloat16"] for x in per_rank), [x["dtypes"] for x in per_rank]
+    got, fsdp2 = r["losses"], r["fsdp2_losses"]
     assert got == pytest.approx(fsdp2, abs=MP_TOL), (r["name"], got, fsdp2)
-    # The first loss (the forward on the same weights) shares FSDP2's roundings (weights, matmul
-    # outputs); later steps add each side's own rounding, amplified by AdamW, in either direction.
-    assert abs(got[0] - fsdp2[0]) < abs(got[0] - fp32[0]), \
-        f"{r['name']}: {got[0]} is not nearer to FSDP2's {fsdp2[0]} than to fp32's {fp32[0]}"
     assert len({tuple(x["losses"]) for x in per_rank}) == 1, "every rank reports the same loss"
 
 

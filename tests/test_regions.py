@@ -1,6 +1,5 @@
-"""Each repeated layer compiled once (``passes/regions.py``, ``enable_passes=("regions",)``): the
-graphs Inductor compiles call one subgraph per distinct layer segment, and train exactly as the
-flat graphs do."""
+"""Each repeated layer compiled once (``passes/regions.py``, on by default): the graphs Inductor
+compiles call one subgraph per distinct layer segment, and train exactly as the flat graphs do."""
 
 import copy
 
@@ -22,8 +21,7 @@ def test_layers_are_calls_of_one_subgraph_and_train_as_the_model_does():
     torch.manual_seed(0)
     ref = zoo.build("hf-llama", num_hidden_layers=4)
     ids, tgt = batch(1)
-    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8,
-                         enable_passes=("regions",))
+    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8)
     n_layers = ref.config.num_hidden_layers
     notes = pm.info.notes["regions"]
     assert f"fw: {n_layers} layer segments as calls of 1 compiled subgraphs" in notes, notes
@@ -91,8 +89,7 @@ def test_inductor_failing_on_the_layer_calls_compiles_the_layers_inline(monkeypa
     torch.manual_seed(0)
     ref = zoo.build("hf-llama", num_hidden_layers=3)
     ids, tgt = batch(1)
-    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8,
-                         enable_passes=("regions",))
+    pm = autopar.compile(copy.deepcopy(ref), 1, example_inputs=(ids,), plan="mb=8", global_batch=8)
     notes = pm.info.notes["regions"]
     assert any(line.startswith("forward: compiled with every layer inline, Inductor failed") for line in notes), notes
     assert not any("segment" in n.meta for n in pm._step_runner.compiled.fw_graph.graph.nodes)

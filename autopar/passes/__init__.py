@@ -20,11 +20,8 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
    are complete.
 5. ``zero-bubble split`` (``passes/pp.py``, zero-bubble schedules): the backward graph split
    into its input-gradient and weight-gradient parts.
-6. ``regions`` (``passes/regions.py``, off by default, ``enable_passes=("regions",)``): each
-   repeated layer's compute as calls of one shared subgraph per distinct segment, so Inductor
-   compiles each distinct layer once (off until the parity matrix passes with it on: HF Llama's
-   first bf16-mixed loss under TP 2 x FSDP 2 + SP came out at the fp32 loss, which the flat graphs
-   also do at another batch size: Inductor's in-kernel fp32 intermediates, not yet settled).
+6. ``regions`` (``passes/regions.py``): each repeated layer's compute as calls of one shared
+   subgraph per distinct segment, so Inductor compiles each distinct layer once.
 
 Then Inductor compiles each graph whole (``backend.compile_step``), keeping the order the passes
 chose; ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for
@@ -63,7 +60,6 @@ class PassContext:
     plan: Plan
     compile: bool = True
     disabled: set = field(default_factory=set)
-    enabled: set = field(default_factory=set)  # passes that are off by default, turned on by name
     timings: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)  # pass name -> lines for explain
     # What the passes need beside the graph (api.StepState: the traced step, where each parameter
@@ -102,8 +98,7 @@ class StepGraphs:
 class Pass:
     """One registered pass: ``fn(value, plan, ctx)`` takes a ``takes`` and returns a ``gives``;
     it runs where ``when(ctx)`` holds (every time without one); ``optional`` ones the user may
-    turn off (``autopar.compile(disable_passes=...)``); one not ``on_by_default`` runs only when
-    the user names it (``enable_passes``)."""
+    turn off (``autopar.compile(disable_passes=...)``)."""
 
     name: str
     takes: type
@@ -111,7 +106,6 @@ class Pass:
     fn: Callable[[Any, Plan, PassContext], Any]
     when: Callable[[PassContext], bool] | None = None
     optional: bool = False
-    on_by_default: bool = True
 
 
 # What the user may turn off by name beside the optional passes: overlap's merging into buckets
@@ -144,26 +138,19 @@ def step_passes() -> list[Pass]:
         Pass("overlap", StepGraphs, StepGraphs, overlap, when=lambda ctx: ctx.step.dp is not None, optional=True),
         Pass("zero-bubble split", StepGraphs, StepGraphs, split_weight_gradients,
              when=lambda ctx: ctx.step.split_weight is not None),
-        # Off by default until the parity matrix passes with it on (bf16-mixed under TP + SP).
-        Pass("regions", StepGraphs, StepGraphs, regions, optional=True, on_by_default=False),
+        Pass("regions", StepGraphs, StepGraphs, regions, optional=True),
     ]
 
 
-def check_pass_names(disable, enable) -> tuple[set, set]:
-    """``disable_passes`` and ``enable_passes`` as sets, refused in words when they name what
-    cannot be turned off, or on."""
-    passes = step_passes()
-    can = {"turned off": {p.name for p in passes if p.optional} | set(SWITCHES),
-           "turned on": {p.name for p in passes if not p.on_by_default}}
-    out = []
-    for arg, names, how in (("disable_passes", disable, "turned off"), ("enable_passes", enable, "turned on")):
-        names = {names} if isinstance(names, str) else set(names)
-        bad = sorted(names - can[how])
-        if bad:
-            raise AutoparError(f"{arg}: {', '.join(map(repr, bad))} cannot be {how}; what can: "
-                               f"{', '.join(sorted(can[how])) or 'nothing'}")
-        out.append(names)
-    return out[0], out[1]
+def check_pass_names(disable) -> set:
+    """``disable_passes`` as a set, refused in words when it names what cannot be turned off."""
+    can = {p.name for p in step_passes() if p.optional} | set(SWITCHES)
+    names = {disable} if isinstance(disable, str) else set(disable)
+    bad = sorted(names - can)
+    if bad:
+        raise AutoparError(f"disable_passes: {', '.join(map(repr, bad))} cannot be turned off; what can: "
+                           f"{', '.join(sorted(can))}")
+    return names
 
 
 def run_passes(value: Any, ctx: PassContext, passes: list[Pass]) -> Any:
@@ -171,7 +158,7 @@ def run_passes(value: Any, ctx: PassContext, passes: list[Pass]) -> Any:
     timed into ``ctx.timings``, a failure named with the passes that ran before it."""
     done: list[str] = []
     for p in passes:
-        if (p.when is not None and not p.when(ctx)) or (not p.on_by_default and p.name not in ctx.enabled):
+        if p.when is not None and not p.when(ctx):
             continue
         if p.name in ctx.disabled:
             ctx.note(p.name, "disabled by the user")
