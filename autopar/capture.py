@@ -560,6 +560,7 @@ def trace_step(
                 u()
 
     gm = with_export_path_fallback(trace, model=model, target_kernels=target_kernels)
+    _drop_empty_cat_operands(gm)
     for ph, p in zip(gm.graph.find_nodes(op="placeholder"), params):
         ph.meta["trained"] = p.requires_grad
     mutated = _mutated_inputs(gm, len(pnames), bnames)
@@ -579,6 +580,34 @@ def trace_step(
     out_type = box.get("type")
     return StepGraph(gm, pnames, aliases, bnames, len(inputs), target is not None, layers,
                      [tuple(x.shape) for x in inputs], out_type, box.get("logits"), saved=saved)
+
+
+def _drop_empty_cat_operands(gm: torch.fx.GraphModule) -> None:
+    """``torch.cat`` skips one-dimensional empty operands (``cat([tensor([]), x], -2)`` is a copy
+    of ``x``): a key/value cache starts so (transformers' ``DynamicCache``, which its models build
+    whenever ``config.use_cache`` is on, training included). No sharding rule knows that exception
+    (DTensor would shard the empty operand along the heads), so they leave the graph: the same values.
+    A cat left with one operand becomes the contiguous copy it makes: Inductor would decompose it to
+    a clone that keeps the operand's strides, under the views traced on the contiguous result."""
+    def empty_1d(a: Any) -> bool:
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 0
+
+    for n in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)):
+        keep = [a for a in n.args[0] if not empty_1d(a)]
+        if not keep or len(keep) == len(n.args[0]):
+            continue
+        dropped = [a for a in n.args[0] if empty_1d(a)]
+        if len(keep) == 1 and n.meta["val"].is_contiguous():
+            n.target, n.args, n.kwargs = torch.ops.aten.clone.default, (keep[0],), {"memory_format": torch.contiguous_format}
+        else:
+            n.args = (keep, *n.args[1:])
+        for a in dropped:  # the empty constant and what made it, once nothing else reads them
+            while isinstance(a, torch.fx.Node) and not a.users and a.op in ("call_function", "get_attr"):
+                ins = [x for x in a.all_input_nodes]
+                gm.graph.erase_node(a)
+                a = ins[0] if len(ins) == 1 else None
+    gm.recompile()
 
 
 def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:

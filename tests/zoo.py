@@ -1,5 +1,7 @@
 """Tiny models of every family the tests train: HuggingFace ones from a config (no download),
-a Llama written the way another project writes one, and autopar's own presets."""
+a Llama written the way another project writes one, and autopar's own presets. The HuggingFace
+configs keep the families' defaults except for size and dropout (``use_cache`` on, as users
+have it: the models then build a key/value cache in training too)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ def _hf(kind: str, **overrides) -> nn.Module:
     """``overrides``: config fields set after the family's own (e.g. ``num_experts_per_tok``)."""
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, max_position_embeddings=64, use_cache=False)
+    common = dict(vocab_size=VOCAB, max_position_embeddings=64)
     llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=4, **common)
     if kind == "hf-llama":
@@ -34,7 +36,7 @@ def _hf(kind: str, **overrides) -> nn.Module:
                                  resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0), tf.Phi3ForCausalLM
     elif kind == "hf-gpt2":
         cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                            embd_pdrop=0.0, attn_pdrop=0.0)
         cls = tf.GPT2LMHeadModel
     elif kind == "hf-neox":
         cfg = tf.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
@@ -54,11 +56,11 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cls = tf.MixtralForCausalLM
     elif kind == "hf-gptj":  # separate q/k/v without biases, partial rotary, parallel attention and MLP
         cfg = tf.GPTJConfig(n_embd=64, n_layer=2, n_head=8, rotary_dim=4, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, vocab_size=VOCAB, use_cache=False)
+                            embd_pdrop=0.0, attn_pdrop=0.0, vocab_size=VOCAB)
         cls = tf.GPTJForCausalLM
     elif kind == "hf-bloom":  # ALiBi, per-head interleaved fused QKV, embedding layer norm, tied head
         cfg = tf.BloomConfig(hidden_size=64, n_layer=2, n_head=8, hidden_dropout=0.0, attention_dropout=0.0,
-                             vocab_size=VOCAB, use_cache=False)
+                             vocab_size=VOCAB)
         cls = tf.BloomForCausalLM
     elif kind == "hf-falcon":  # multi-query fused QKV (one K and V head), parallel attention, x @ w.T
         cfg = tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, multi_query=True,
@@ -72,7 +74,7 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cls = tf.FalconForCausalLM
     elif kind == "hf-bigcode":  # StarCoder: multi-query c_attn split (hidden, head, head)
         cfg = tf.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=8, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0, n_positions=64, vocab_size=VOCAB, use_cache=False)
+                                  attn_pdrop=0.0, n_positions=64, vocab_size=VOCAB)
         cls = tf.GPTBigCodeForCausalLM
     elif kind == "hf-deepseek-v2":  # MLA attention, a dense first layer, 4 routed experts (gate module) + shared
         cfg = tf.DeepseekV2Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -104,7 +106,7 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cls = tf.BartForConditionalGeneration
     elif kind == "hf-mt5":  # encoder-decoder: relative position bias, gated GELU, untied head
         cfg = tf.MT5Config(d_model=64, d_kv=8, d_ff=128, num_layers=2, num_heads=8, dropout_rate=0.0,
-                           feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=VOCAB, use_cache=False)
+                           feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=VOCAB)
         cls = tf.MT5ForConditionalGeneration
     elif kind == "hf-deit":  # images: patch-embedding convolution, class and distillation tokens, classifier
         cfg = tf.DeiTConfig(image_size=IMAGE[1], patch_size=4, num_channels=IMAGE[0], hidden_size=64,
