@@ -123,3 +123,24 @@ def test_layers_of_every_kind_in_model_order(kind, want):
     from tests import zoo
 
     assert capture.find_layers(zoo.build(kind)) == want
+
+
+def test_a_key_value_cache_built_in_training_is_the_same_step():
+    """HF models as they ship (``use_cache`` on) start each layer's key/value cache as an empty
+    tensor that ``torch.cat`` skips: the captured step reads no such operand (DTensor would shard
+    it along the heads), and compiled with Inductor (GPT-J: views of the cached keys) it gives
+    the model's own loss."""
+    import autopar
+    from tests import zoo
+
+    torch.manual_seed(0)
+    m = zoo.build("hf-gptj")
+    assert m.config.use_cache
+    ids = torch.randint(0, 200, (2, 16))
+    sg = capture.trace_step(m, (ids,), target=ids)
+    cats = [n for n in sg.gm.graph.nodes if n.target == torch.ops.aten.cat.default]
+    assert not any(a.meta["val"].dim() == 1 and a.meta["val"].numel() == 0 for n in cats for a in n.args[0])
+    with torch.no_grad():
+        ref = float(capture.default_loss(m(ids), ids))
+    pm = autopar.compile(m, 1, example_inputs=(ids,), example_target=ids)
+    assert float(pm.step(ids, target=ids)) == pytest.approx(ref, abs=1e-5)
