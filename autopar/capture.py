@@ -593,21 +593,24 @@ def _drop_empty_cat_operands(gm: torch.fx.GraphModule) -> None:
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 0
 
+    changed = False
     for n in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)):
-        keep = [a for a in n.args[0] if not empty_1d(a)]
-        if not keep or len(keep) == len(n.args[0]):
-            continue
         dropped = [a for a in n.args[0] if empty_1d(a)]
+        keep = [a for a in n.args[0] if a not in dropped]
+        if not dropped or not keep:
+            continue
+        changed = True
         if len(keep) == 1 and n.meta["val"].is_contiguous():
             n.target, n.args, n.kwargs = torch.ops.aten.clone.default, (keep[0],), {"memory_format": torch.contiguous_format}
         else:
             n.args = (keep, *n.args[1:])
         for a in dropped:  # the empty constant and what made it, once nothing else reads them
             while isinstance(a, torch.fx.Node) and not a.users and a.op in ("call_function", "get_attr"):
-                ins = [x for x in a.all_input_nodes]
+                ins = list(a.all_input_nodes)
                 gm.graph.erase_node(a)
                 a = ins[0] if len(ins) == 1 else None
-    gm.recompile()
+    if changed:
+        gm.recompile()
 
 
 def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:

@@ -1,7 +1,7 @@
 """Tiny models of every family the tests train: HuggingFace ones from a config (no download),
 a Llama written the way another project writes one, and autopar's own presets. The HuggingFace
-configs keep the families' defaults except for size and dropout (``use_cache`` on, as users
-have it: the models then build a key/value cache in training too)."""
+configs keep the families' ``use_cache`` default (on, as users have it: the models then build a
+key/value cache in training too)."""
 
 from __future__ import annotations
 
