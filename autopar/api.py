@@ -412,7 +412,7 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         model_name=m.name, model_fingerprint=m.fingerprint, world_size=world, hardware=ctx.hw.name,
         precision=ctx.precision, global_batch=ctx.global_batch, seq_len=m.seq_len, tp=cfg.tp,
         pp=cfg.pp, dp=cfg.dp, dp_shard=cfg.dp_shard if cfg.fsdp else 1, sp=cfg.sp, fsdp=cfg.fsdp,
-        reshard_after_forward=cfg.reshard, fsdp_prefetch=cfg.prefetch, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
+        reshard_after_forward=cfg.reshard, fsdp_prefetch=cfg.prefetch, cp=cfg.cp, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
         schedule=cfg.schedule if cfg.pp > 1 else "none", v=cfg.v, layers=tuple(layers),
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
         runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,
@@ -478,7 +478,7 @@ def _ac_text(e: Estimate) -> str:
 # --------------------------------------------------------------------------------------------
 # compile: plan, trace the step, run the passes, compile, wrap
 # --------------------------------------------------------------------------------------------
-MESH_NAMES = ("pp", "dp", "dp_replicate", "dp_shard", "tp")
+MESH_NAMES = ("pp", "dp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def mesh_pins(mesh: Any) -> dict:
@@ -500,7 +500,7 @@ def mesh_pins(mesh: Any) -> dict:
         raise AutoparError(f"the mesh has 'dp' beside 'dp_shard'/'dp_replicate' {tuple(names)}: use either 'dp' or the "
                            "pair dp_replicate x dp_shard")
     size = dict(zip(names, mesh.mesh.shape))
-    pins = {k: int(size[k]) for k in ("tp", "pp") if k in size}
+    pins = {k: int(size[k]) for k in ("tp", "pp", "cp") if k in size}
     dp = int(size.get("dp", 1) * size.get("dp_replicate", 1) * size.get("dp_shard", 1))
     if any(k in size for k in ("dp", "dp_replicate", "dp_shard")):
         pins["dp"] = dp
@@ -523,7 +523,7 @@ def _plan_argument(plan_arg: Any, from_mesh: dict) -> Plan | dict:
     the two is an error."""
     plan_arg = _loaded(plan_arg)
     if isinstance(plan_arg, Plan):
-        got = {"tp": plan_arg.tp, "pp": plan_arg.pp, "dp": plan_arg.dp, "dp_shard": plan_arg.dp_shard}
+        got = {"tp": plan_arg.tp, "pp": plan_arg.pp, "dp": plan_arg.dp, "dp_shard": plan_arg.dp_shard, "cp": plan_arg.cp}
         if any(k in got and got[k] != v for k, v in from_mesh.items()):
             raise PlanMismatchError(
                 f"the plan ({plan_arg.as_config_string()}) does not match the mesh's dimensions "
@@ -647,6 +647,7 @@ class StepState:
 
 
 def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
+    from autopar.passes.cp import ActMesh
     from autopar.passes.distribute import Layout
     from autopar.passes.fsdp import dp_placements, sub_meshes
     from autopar.passes.tp import tp_rules
@@ -657,21 +658,46 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
     if p.tp > 1:
         rules = tp_rules(sg, roles.step_roles(sg), p.tp, p.sp, split_head)
         tp_pl = rules.placements
-    dp_pl = dp_placements(shapes, tp_pl, p.dp_shard, p.fsdp)
+    dp_pl = dp_placements(shapes, tp_pl, p.dp_shard * p.cp, p.fsdp)
     lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp, compute=mixed.compute, reduce=mixed.reduce)
     if mesh is None:
         return lay, rules
-    sizes = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
-    dims = tuple(d for d in ("dp_replicate", "dp_shard", "tp") if sizes[d] > 1)
+    # Under CP the parameters are sharded (FSDP) or their gradients reduced (DDP) over dp_shard
+    # and cp together: one flattened dim, as torchtitan's dp_shard_cp.
+    shard = "dp_shard_cp" if p.cp > 1 else "dp_shard"
+    sizes = {"dp_replicate": p.dp // p.dp_shard, shard: p.dp_shard * p.cp, "tp": p.tp}
+    dims = tuple(d for d in ("dp_replicate", shard, "tp") if sizes[d] > 1)
     if dims:
-        lay.param_dims, lay.param_mesh = dims, mesh[dims if len(dims) > 1 else dims[0]]
-    dp_dims = tuple(d for d in ("dp_replicate", "dp_shard") if sizes[d] > 1)
+        lay.param_dims, lay.param_mesh = dims, sub_mesh(mesh, dims)
+    dp_dims = tuple(d for d in ("dp_replicate", shard) if sizes[d] > 1)
     if dp_dims:
-        lay.dp_dims, lay.dp_mesh = dp_dims, mesh[dp_dims if len(dp_dims) > 1 else dp_dims[0]]
+        lay.dp_dims, lay.dp_mesh = dp_dims, sub_mesh(mesh, dp_dims)
         lay.dp_submeshes = sub_meshes(lay.dp_mesh)
     if p.tp > 1:
         lay.tp_mesh = mesh["tp"]
+    lay.act_mesh = ActMesh.of(mesh, tuple(d for d in ("cp", "tp") if getattr(p, d) > 1))
     return lay, rules
+
+
+def world_mesh(device: str, p: Plan):
+    """The plan's device mesh (``MESH_DIMS``), with ``dp_shard x cp`` flattened under CP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.plan import MESH_DIMS
+
+    mesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
+    if p.cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
+
+
+def sub_mesh(mesh, dims: tuple):
+    """``mesh[dims]`` (one dim or several, a flattened one among them)."""
+    import warnings
+
+    with warnings.catch_warnings():  # slicing a flattened dim from the root mesh: what torchtitan does too
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[dims if len(dims) > 1 else dims[0]]
 
 
 def _distribute_parameters(model: nn.Module, sg, lay) -> list[torch.Tensor]:
@@ -746,12 +772,15 @@ def _collective_records(compiled, mesh) -> list[dict]:
         for d, size in zip(mesh.mesh_dim_names, mesh.mesh.shape):
             if size > 1:
                 dims[mesh.get_group(d).group_name] = d
+            if d == "cp" and size > 1:
+                dims[mesh.get_group("dp_shard_cp").group_name] = "dp_shard_cp"
     recs = []
     for g, gm in (("forward", compiled.fw_graph), ("backward", compiled.bw_graph)):
         for n in collectives(gm):
             r = dict(collective_record(n), graph=g, dim=dims.get(n.args[-1], "?"))
             if r["pass"] == "?":
-                r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp"}.get(r["dim"], "?")
+                r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp", "cp": "cp",
+                             "dp_shard_cp": "ddp" if r["kind"].startswith("all_reduce") else "fsdp"}.get(r["dim"], "?")
             recs.append(r)
     return recs
 
@@ -893,7 +922,6 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
 
     from autopar import capture
     from autopar.passes import check_pass_names
-    from autopar.plan import MESH_DIMS
     from autopar.runtime import ParallelModule
 
     if not isinstance(model, nn.Module):
@@ -952,9 +980,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     split_head = p.tp > 1 and roles.head_feeds_cross_entropy(step)
     dmesh = None
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dmesh = init_device_mesh(device, p.mesh_shape, mesh_dim_names=MESH_DIMS)
+        dmesh = world_mesh(device, p)
     if p.pp > 1:
         pm = _compile_pipeline(model, p, dmesh, example_inputs, target, loss_fn, prof.source_name, split_head,
                                inductor=compile,

@@ -74,10 +74,8 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
     buf = io.StringIO()
     con = _console(buf, width)
     pr = p.predicted
-    dims = list(zip(MESH_DIMS, p.mesh_shape))
-    cp = int(p.pins.get("cp", 1))  # priced by `autopar estimate` only: a mesh dim between dp_shard and tp
-    if cp > 1:
-        dims.insert(len(dims) - 1, ("cp", cp))
+    dims = [(n, s) for n, s in zip(MESH_DIMS, p.mesh_shape) if n != "cp" or s > 1]
+    cp = p.cp
     mesh = " x ".join(f"{n}={s}" for n, s in dims)
     con.print(f"[b]autopar plan[/b] for {p.model_name} on {p.world_size} x {p.hardware} "
               f"({p.precision}, global batch {p.global_batch} x {p.seq_len} tokens)")

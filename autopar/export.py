@@ -53,10 +53,6 @@ def _precision_notes(plan: Plan, target: str, float8_how: str) -> list[str]:
     return notes
 
 
-def _cp(plan: Plan) -> int:
-    return int(plan.pins.get("cp", 1))
-
-
 def _torchtitan(plan: Plan) -> str:
     if plan.tp > 1 and not plan.sp:
         raise AutoparError("torchtitan's tensor parallelism always shards the sequence (SP): this plan has "
@@ -84,7 +80,7 @@ def _torchtitan(plan: Plan) -> str:
         f"data_parallel_shard_degree = {shard}",
         *([f'fsdp_reshard_after_forward = "{"always" if plan.reshard_after_forward else "never"}"'] if plan.fsdp else []),
         f"tensor_parallel_degree = {plan.tp}",
-        f"context_parallel_degree = {_cp(plan)}",
+        f"context_parallel_degree = {plan.cp}",
         f"pipeline_parallel_degree = {plan.pp}",
     ]
     if plan.pp > 1:
@@ -115,7 +111,7 @@ def _megatron(plan: Plan) -> str:
                            f"({plan.dp // plan.dp_shard} x {plan.dp_shard}); pin dp_shard={plan.dp} to export it")
     mode, notes = _ac(plan)
     args = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}",
-            f"--context-parallel-size {_cp(plan)}", f"--micro-batch-size {plan.mb}",
+            f"--context-parallel-size {plan.cp}", f"--micro-batch-size {plan.mb}",
             f"--global-batch-size {plan.global_batch}", f"--seq-length {plan.seq_len}"]
     prec = precision(plan.precision)
     if prec.compute != "float32":  # fp32 is Megatron-LM's default; --bf16/--fp16 keep fp32 master weights
@@ -144,6 +140,6 @@ def _megatron(plan: Plan) -> str:
         args += (["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
                  if mode == "full" else ["--recompute-granularity selective"])
     head = [f"# autopar plan for {plan.model_name} on {plan.world_size} x {plan.hardware}: {plan.as_config_string()}",
-            f"# data parallel {plan.dp} = {plan.world_size} GPUs / (tp {plan.tp} x pp {plan.pp} x cp {_cp(plan)})"]
+            f"# data parallel {plan.dp} = {plan.world_size} GPUs / (tp {plan.tp} x pp {plan.pp} x cp {plan.cp})"]
     head += [f"# note: {n}" for n in notes]
     return "\n".join(head) + "\n" + " \\\n".join(args) + "\n"

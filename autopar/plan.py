@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from autopar.errors import AutoparError, PlanMismatchError
 
 PLAN_VERSION = 1
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Each pipeline schedule's name in torch.distributed.pipelining (and torchtitan's configuration).
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
                   "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
@@ -25,8 +25,7 @@ PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedu
 # How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
 ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
                  "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
-                 "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward",
-                 "cp": "autopar's executor does not split a sequence over ranks (context parallelism)"}
+                 "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward"}
 
 
 @dataclass(frozen=True)
@@ -157,12 +156,15 @@ class Plan:
     # FSDP: parameter buckets (one per layer) gathered ahead of their use (1: while the layer
     # before computes, as FSDP2 does); priced as (1 + prefetch) layers of gathered weights.
     fsdp_prefetch: int = 1
+    # Context parallelism: each sequence split over ``cp`` ranks (a mesh dim between dp_shard and
+    # tp); FSDP shards the parameters over dp_shard x cp. ``dp`` counts the batch's splits only.
+    cp: int = 1
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp // self.dp_shard, self.dp_shard, self.tp)
+        return (self.pp, self.dp // self.dp_shard, self.dp_shard, self.cp, self.tp)
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -191,6 +193,8 @@ class Plan:
         """The ``key=value`` form that ``autopar estimate --plan`` and ``--pin`` accept."""
         s = (f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},"
              f"mb={self.mb},ac={self.ac_summary() if ':' not in self.ac_summary() else 'mixed'}")
+        if self.cp > 1:
+            s += f",cp={self.cp}"
         if self.pp > 1:
             s += f",schedule={self.schedule},v={self.v}"
         if self.fsdp and self.fsdp_prefetch != 1:

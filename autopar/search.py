@@ -58,6 +58,7 @@ from autopar.cost_models.step import (
     StageModel,
     divisors,
     valid_tp_degrees,
+    validate_cp,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.plan import ESTIMATE_ONLY, PIN_KEYS
@@ -152,10 +153,10 @@ def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
         raise AutoparError(f"{k}={v} is priced by `autopar estimate` only: {ESTIMATE_ONLY[k]}, so the planner does "
                            "not choose it")
     prod = 1
-    for k in ("tp", "pp", "dp"):
+    for k in ("tp", "pp", "dp", "cp"):
         prod *= pins.get(k, 1)
     if world % prod:
-        fixed = " x ".join(f"{k}={pins[k]}" for k in ("tp", "pp", "dp") if k in pins)
+        fixed = " x ".join(f"{k}={pins[k]}" for k in ("tp", "pp", "dp", "cp") if k in pins)
         raise AutoparError(f"pins {fixed} (product {prod}) do not divide the {world} GPUs; choose degrees whose product divides {world}")
     if "tp" in pins and pins["tp"] > 1 and m.max_tp_check(pins["tp"]):
         raise AutoparError(
@@ -168,6 +169,7 @@ def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
         raise AutoparError(f"dp={pins['dp']} does not divide the global batch of {ctx.global_batch} sequences")
     if pins.get("sp") and pins.get("tp", 2) == 1:
         raise AutoparError("sp=1 needs tp > 1")
+    validate_cp(m, pins.get("cp", 1))
     if pins.get("sp") and pins.get("tp", 1) > 1 and m.seq_len % pins["tp"]:
         raise AutoparError(f"sp=1 splits each {m.seq_len}-token sequence over tp={pins['tp']} ranks, which does not "
                            f"divide it; use sp=0, or a tp that divides {m.seq_len}")
@@ -196,10 +198,10 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
     for tp in tps:
         if "tp" in pins and tp != pins["tp"]:
             continue
-        for pp in divisors(world // tp):
+        for pp, cp in ((pp, cp) for pp in divisors(world // tp) for cp in cp_options(ctx, world // tp // pp, pins)):
             if pp > m.n_layers or ("pp" in pins and pp != pins["pp"]):
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             if B % dp or ("dp" in pins and dp != pins["dp"]):
                 continue
             for mb in divisors(B // dp):
@@ -231,8 +233,14 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                             if "reshard" in pins and fsdp and reshard != pins["reshard"]:
                                 continue
                             out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v,
-                                              prefetch=pins.get("prefetch", 1)))
+                                              prefetch=pins.get("prefetch", 1), cp=cp))
     return out
+
+
+def cp_options(ctx: CostContext, ranks: int, pins: dict) -> list[int]:
+    """Context-parallel degrees to try on ``ranks`` ranks: the pinned one, else 1."""
+    cp = pins.get("cp", 1)
+    return [cp] if ranks % cp == 0 else []
 
 
 def _allowed(pins: dict) -> tuple[bool, bool, bool]:

@@ -902,18 +902,24 @@ def validate_config(ctx: CostContext, cfg: Config, *, priced_only: bool = False)
         raise AutoparError(f"pp*v = {cfg.pp * cfg.v} exceeds the {m.n_layers} layers of {m.name}")
     if cfg.sp and cfg.tp == 1:
         raise AutoparError("sequence parallelism needs tp > 1")
-    if cfg.cp > 1:
-        if m.seq_len % (2 * cfg.cp):
-            raise AutoparError(f"context parallelism splits each {m.seq_len}-token sequence into 2 x cp = {2 * cfg.cp} "
-                               "chunks (two per rank, balancing causal attention); use a sequence length that "
-                               f"is a multiple of {2 * cfg.cp}, or a smaller cp")
-        missing = [b.cls_name for b in m.blocks if not (b.kv_heads and b.head_dim)]
-        if missing:
-            raise AutoparError(f"cp={cfg.cp}: the analysis found no attention heads in {', '.join(sorted(set(missing)))} "
-                               f"of {m.name}, so what context parallelism gathers cannot be priced; use cp=1")
+    validate_cp(m, cfg.cp)
     if cfg.sp and m.seq_len % cfg.tp:
         raise AutoparError(f"sequence parallelism splits the {m.seq_len}-token sequence over tp={cfg.tp} ranks, which does "
                            f"not divide it; use a sequence length that is a multiple of {cfg.tp}, or sp=0")
+
+
+def validate_cp(m: ModelProfile, cp: int) -> None:
+    """Refuse a context-parallel degree the model's sequences or attention cannot take."""
+    if cp == 1:
+        return
+    if m.seq_len % (2 * cp):
+        raise AutoparError(f"context parallelism splits each {m.seq_len}-token sequence into 2 x cp = {2 * cp} "
+                           "chunks (two per rank, balancing causal attention); use a sequence length that "
+                           f"is a multiple of {2 * cp}, or a smaller cp")
+    missing = [b.cls_name for b in m.blocks if not (b.kv_heads and b.head_dim)]
+    if missing:
+        raise AutoparError(f"cp={cp}: the analysis found no attention heads in {', '.join(sorted(set(missing)))} "
+                           f"of {m.name}, so what context parallelism gathers cannot be priced; use cp=1")
 
 
 def valid_tp_degrees(m: ModelProfile, limit: int = 512) -> list[int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -33,7 +33,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import passes
 from autopar.errors import AutoparError
 from autopar.fxops import SPLIT_OPS
-from autopar.passes import GATHERED_INPUT, dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.passes import GATHERED_INPUT, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
 
@@ -52,6 +53,7 @@ class Layout:
     param_mesh: object = None
     param_dims: tuple = ()
     tp_mesh: object = None
+    act_mesh: ActMesh | None = None  # the replay's DTensor mesh: its cp and tp dims (size > 1)
     dp_mesh: object = None
     dp_dims: tuple = ()
     dp_submeshes: dict = field(default_factory=dict)  # fsdp.sub_meshes(dp_mesh), sliced before tracing
@@ -62,7 +64,8 @@ class Layout:
     reduce: torch.dtype | None = None
 
     def placements(self, i: int) -> tuple:
-        by_dim = {"dp_replicate": Replicate(), "dp_shard": self.dp[i], "tp": self.tp.get(i, Replicate())}
+        by_dim = {"dp_replicate": Replicate(), "dp_shard": self.dp[i], "dp_shard_cp": self.dp[i],
+                  "tp": self.tp.get(i, Replicate())}
         return tuple(by_dim[d] for d in self.param_dims)
 
     def tp_local_shape(self, i: int) -> tuple:
@@ -85,9 +88,9 @@ class Unread:
         self.read = read
 
 
-def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh) -> list | None:
+def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh) -> list | None:
     """Split an interleaved (``_StridedShard``) fused output into its parts locally."""
-    p = x.placements[0]
+    p = am.tp_of(x)
     if not isinstance(p, _StridedShard):
         return None
     dim = args[2] if len(args) > 2 else n.kwargs.get("dim", 0)
@@ -97,31 +100,31 @@ def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh) -> list | N
     if parts != p.split_factor:
         return None
     local = x.to_local()
-    return [DTensor.from_local(c.contiguous(), tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape,
+    return [DTensor.from_local(c.contiguous(), am.mesh, am.with_tp(x, Shard(p.dim)), run_check=False, shape=v.shape,
                                stride=_contiguous_stride(v.shape))
             for c, v in zip(local.chunk(parts, dim), n.meta["val"])]
 
 
-def _local_view(x: DTensor, n: torch.fx.Node, tp_mesh):
+def _local_view(x: DTensor, n: torch.fx.Node, am: ActMesh):
     """View an interleaved (``_StridedShard``) fused output as its stacked parts, (..., A, heads,
     head_dim) with ``A`` the parts at the sharded dim: each rank's shard holds its heads of every
     part, so the local view is the same with heads divided, sharded on the heads dim."""
-    p = x.placements[0]
+    p = am.tp_of(x)
     if not isinstance(p, _StridedShard):
         return None
     v = n.meta["val"]
     dim = p.dim % x.dim()
-    tp = tp_mesh.size()
+    tp = am.size("tp")
     if (tuple(v.shape[:dim]) != tuple(x.shape[:dim]) or v.dim() < dim + 3 or v.shape[dim] != p.split_factor
             or v.shape[dim + 1] % tp):
         return None
-    local = list(v.shape)
+    local = [*x.to_local().shape[:dim], *v.shape[dim:]]  # the leading dims as split (cp's sequence)
     local[dim + 1] //= tp
-    return DTensor.from_local(x.to_local().contiguous().view(local), tp_mesh, [Shard(dim + 1)], run_check=False,
+    return DTensor.from_local(x.to_local().contiguous().view(local), am.mesh, am.with_tp(x, Shard(dim + 1)), run_check=False,
                               shape=v.shape, stride=_contiguous_stride(v.shape))
 
 
-def _on_whole_values(target, args, kwargs, tp_mesh):
+def _on_whole_values(target, args, kwargs, am: ActMesh):
     """An op DTensor has no sharding rule for (the in-place restride in an adaptive pool's
     decomposition: Swin's pooler): run on whole values, the same on every rank, its output replicated."""
     inplace = getattr(target, "_schema", None) is not None and target._schema.is_mutable
@@ -133,7 +136,7 @@ def _on_whole_values(target, args, kwargs, tp_mesh):
         return local.clone() if inplace else local
 
     out = target(*pytree.tree_map(whole, args), **pytree.tree_map(whole, kwargs))
-    return pytree.tree_map(lambda o: DTensor.from_local(o, tp_mesh, [Replicate()], run_check=False)
+    return pytree.tree_map(lambda o: DTensor.from_local(o, am.mesh, am.placements(), run_check=False)
                            if isinstance(o, torch.Tensor) else o, out)
 
 
@@ -141,8 +144,8 @@ def _contiguous_stride(shape) -> tuple:
     return torch.empty(shape, device="meta").stride()
 
 
-def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh):
-    p = x.placements[0]
+def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh):
+    p = am.tp_of(x)
     if not isinstance(p, _StridedShard):
         return None
     _, dim, start, end = (list(args) + [0, None, None])[:4]
@@ -156,34 +159,36 @@ def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, tp_mesh):
     k = start // part
     piece = local.narrow(dim, k * lp, lp).contiguous()
     v = n.meta["val"]
-    return DTensor.from_local(piece, tp_mesh, [Shard(p.dim)], run_check=False, shape=v.shape,
+    return DTensor.from_local(piece, am.mesh, am.with_tp(x, Shard(p.dim)), run_check=False, shape=v.shape,
                               stride=_contiguous_stride(v.shape))
 
 
-def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mesh, sp: bool) -> list:
-    """Run ``gm``'s nodes on ``values`` (DTensors where TP applies), redistributing as ``rules`` say."""
+def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool) -> list:
+    """Run ``gm``'s nodes on ``values`` (DTensors on ``am`` where TP or CP applies),
+    redistributing as ``rules`` say; attention and the mean loss over split sequences as ``cp`` does."""
     env: dict = {}
     gathered: dict = {}
     phs = iter(values)
-    act = [Shard(1) if sp else Replicate()]
+    act = Shard(1) if sp else Replicate()
+    split_seq = am is not None and am.has("cp")
 
-    def to_tp(x, placement):
+    def to_tp(x, p):
         if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
-        if x.placements[0] != placement[0]:
-            if sp and placement[0] == Shard(1) and x.dim() < 2:
+            x = DTensor.from_local(x, am.mesh, am.placements(), run_check=False)
+        if am.tp_of(x) != p:
+            if sp and p == Shard(1) and x.dim() < 2:
                 return x
-            x = x.redistribute(tp_mesh, placement)
+            x = x.redistribute(am.mesh, am.with_tp(x, p))
         return x
 
     def gather(x):
-        """A column group's input, whole on every rank. Its gradient (partial sums from the
+        """A column group's input, whole on every TP rank. Its gradient (partial sums from the
         column linears) is reduced here, once: a reduce-scatter back to sequence shards under SP,
         else an all-reduce (Megatron's f), which ``from_local`` of a replicated value does."""
-        if isinstance(x, DTensor) and not x.placements[0].is_replicate():
-            return to_tp(x, [Replicate()])  # backward: reduce-scatter
-        x = to_tp(x, [Replicate()])
-        return DTensor.from_local(x.to_local(), tp_mesh, [Replicate()], run_check=False, shape=x.shape,
+        if isinstance(x, DTensor) and not am.tp_of(x).is_replicate():
+            return to_tp(x, Replicate())  # backward: reduce-scatter
+        x = to_tp(x, Replicate())
+        return DTensor.from_local(x.to_local(), am.mesh, x.placements, run_check=False, shape=x.shape,
                                   stride=x.stride())
 
     def arg(a, node):
@@ -216,24 +221,31 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, tp_mes
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arg(a, n))
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
-            if rules is not None and args and isinstance(args[0], DTensor):
+            if split_seq and n.target in cp.ATTENTION:
+                with fx_traceback.annotate({"pass": "cp"}):
+                    out = cp.attention(n.target, args, kwargs, am, n.meta["val"][0], len(n.meta["val"]))
+            elif split_seq and n.target == _aten.nll_loss_forward.default and cp.splits_loss(args, am):
+                with fx_traceback.annotate({"pass": "cp"}):
+                    out = cp.mean_nll(args, am)
+            elif rules is not None and args and isinstance(args[0], DTensor):
                 if n.target in SPLIT_OPS:
-                    out = _local_split(args[0], n, args, tp_mesh)
+                    out = _local_split(args[0], n, args, am)
                 elif n.target == _aten.slice.Tensor:
-                    out = _local_slice(args[0], n, args, tp_mesh)
+                    out = _local_slice(args[0], n, args, am)
                 elif n.target in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
-                    out = _local_view(args[0], n, tp_mesh)
-                if out is None and n.target == _aten.view.default and not args[0].to_local().is_contiguous():
-                    # The traced kernel's output strides allowed a view; the replayed local shard
-                    # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
-                    out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
+                    out = _local_view(args[0], n, am)
+            if (out is None and am is not None and n.target == _aten.view.default and args
+                    and isinstance(args[0], DTensor) and not args[0].to_local().is_contiguous()):
+                # The traced kernel's output strides allowed a view; the replayed local shard
+                # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
+                out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
             if out is None:
                 try:
                     out = n.target(*args, **kwargs)
                 except NotImplementedError as e:
-                    if rules is None or "sharding strategy" not in str(e):
+                    if am is None or "sharding strategy" not in str(e):
                         raise
-                    out = _on_whole_values(n.target, args, kwargs, tp_mesh)
+                    out = _on_whole_values(n.target, args, kwargs, am)
             if rules is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
                 if n in rules.to_residual:
                     out = to_tp(out, act)
@@ -269,26 +281,37 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         elif compute is not None and x.dtype != compute:
             with fx_traceback.annotate({"pass": "mp", "source": sg.param_names[i], "param_index": i}):
                 x = x.to(compute)  # its gradient comes back in the parameter's dtype
-        if layout.tp_mesh is not None:
-            x = DTensor.from_local(x, layout.tp_mesh, [layout.tp.get(i, Replicate())], run_check=False,
+        am = layout.act_mesh
+        if am is not None:
+            # Whole on every cp rank; each rank's gradient is its tokens' partial sum, reduced
+            # with the data-parallel gradients (FSDP over dp_shard x cp) instead of apart.
+            tp_pl = layout.tp.get(i, Replicate())
+            grad = am.placements(tp=tp_pl, cp=Partial()) if am.has("cp") else None
+            x = DTensor.from_local(x, am.mesh, am.placements(tp=tp_pl), run_check=False,
                                    shape=torch.Size(layout.shapes[i]),
-                                   stride=torch.empty(layout.shapes[i], device="meta").stride())
+                                   stride=torch.empty(layout.shapes[i], device="meta").stride(), grad_placements=grad)
         return x
 
     def joint(primals, tangents):
         with implicit_replication():
             vals = [Unread(functools.partial(read, i, x)) for i, x in enumerate(primals[:P])]
             rest = list(primals[P:])
-            if layout.tp_mesh is not None:
+            am = layout.act_mesh
+            first = P + len(sg.buffer_names)
+            if am is not None and am.has("cp"):
+                # The inputs and the target (everything after the buffers), split along the sequence.
+                seq = primals[first].shape[1]
+                rest = [cp.split_sequence(x, am, seq) if i >= first else x for i, x in enumerate(rest, start=P)]
+            elif am is not None:
                 # Floating-point inputs (a stage's received activations, images, latents) are whole
                 # on every TP rank, as DTensors: what reads them (a patch-embedding convolution's
                 # backward) may need both operands distributed.
-                inputs = range(P + len(sg.buffer_names), P + len(sg.buffer_names) + sg.n_inputs)
-                rest = [DTensor.from_local(x, layout.tp_mesh, [Replicate()], run_check=False)
+                inputs = range(first, first + sg.n_inputs)
+                rest = [DTensor.from_local(x, am.mesh, am.placements(), run_check=False)
                         if i in inputs and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
             # Vocabulary-split logits: the cross-entropy (forward and backward) runs on the shards.
             with loss_parallel() if rules is not None and rules.vocab_split else contextlib.nullcontext():
-                outs = replay(sg.gm, vals + rest, rules, layout.tp_mesh, sp)
+                outs = replay(sg.gm, vals + rest, rules, am, sp)
                 wrt = [primals[i] for i in wrt_index]
                 grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
                                             allow_unused=True)

@@ -1,0 +1,204 @@
+"""Context parallelism on the traced step: each sequence split over the ``cp`` mesh dim.
+
+The distribute pass replays the single-device graph on DTensors whose mesh holds ``cp`` (and
+``tp``): the token inputs and the target enter split along the sequence (``Shard(1)`` on cp, a
+local slice: every cp rank of a data-parallel group receives the same sequences), and DTensor's
+sharding propagation carries that split through every token-wise op, so positions, rotary tables
+and masks made from ``arange`` are sliced to each rank's tokens where they meet the activations.
+Two ops are replayed here instead of by DTensor's rules:
+
+- **attention** (the fused ``scaled_dot_product`` ops): the keys and values of the whole sequence
+  are all-gathered over cp (their gradients reduce-scattered back), and each rank computes the
+  rows of its own queries against them with the causal or given mask cut to those rows. The
+  causal work is balanced: the sequence is ``2 cp`` chunks, rank ``r`` owns chunks ``2r`` and
+  ``2r + 1``, and swaps its second chunk's queries (and back, their outputs) with rank
+  ``cp - 1 - r``, so it computes chunks ``2r`` and ``2 cp - 1 - 2r``: the same number of
+  query-key pairs on every rank (torchtitan's head-tail balance, per layer, with the
+  activations kept in sequence order).
+- the **mean cross-entropy** (``nll_loss_forward`` with mean reduction) over split tokens: the
+  sum over each rank's tokens divided by the count of counted tokens of the whole batch, which
+  stays the single-process mean when ``ignore_index`` tokens are unevenly spread (DTensor's own
+  rule averages the ranks' means).
+
+Parameters are whole on every cp rank (FSDP gathers them over ``dp_shard x cp``); each rank's
+gradient is its tokens' partial sum, reduced with the data-parallel gradients in one collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.fx.operator_schemas import normalize_function
+
+_aten = torch.ops.aten
+
+# The fused attention ops a traced step calls (CPU's, and the GPU's flash, efficient and cuDNN kernels).
+ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu.default,
+             _aten._scaled_dot_product_flash_attention.default,
+             _aten._scaled_dot_product_efficient_attention.default,
+             _aten._scaled_dot_product_cudnn_attention.default)
+
+
+@dataclass(frozen=True)
+class ActMesh:
+    """The mesh the replay's DTensors live on: the ``cp`` and ``tp`` dims of size > 1, in mesh order."""
+
+    mesh: object
+    names: tuple
+
+    @classmethod
+    def of(cls, mesh, dims: tuple) -> ActMesh | None:
+        return cls(mesh[dims if len(dims) > 1 else dims[0]], dims) if dims else None
+
+    def has(self, dim: str) -> bool:
+        return dim in self.names
+
+    def size(self, dim: str) -> int:
+        return self.mesh.size(self.names.index(dim)) if dim in self.names else 1
+
+    def placements(self, tp=None, cp=None) -> tuple:
+        """Placements over the mesh: ``tp`` on the tp dim, ``cp`` on the cp dim (Replicate if None)."""
+        by = {"tp": tp or Replicate(), "cp": cp or Replicate()}
+        return tuple(by[d] for d in self.names)
+
+    def tp_of(self, x: DTensor):
+        return x.placements[self.names.index("tp")]
+
+    def with_dim(self, placements, dim: str, p) -> tuple:
+        """``placements`` with the entry of mesh dim ``dim`` replaced by ``p``."""
+        i = self.names.index(dim)
+        return (*placements[:i], p, *placements[i + 1:])
+
+    def with_tp(self, x: DTensor, p) -> tuple:
+        return self.with_dim(x.placements, "tp", p)
+
+
+def split_sequence(x: torch.Tensor, am: ActMesh, seq_len: int) -> torch.Tensor:
+    """An input whose dim 1 is the sequence, whole on every rank, as the DTensor of this rank's
+    tokens (a local slice); anything else as a replicated DTensor (floating point) or unchanged."""
+    whole = DTensor.from_local(x, am.mesh, am.placements(), run_check=False)
+    if x.dim() >= 2 and x.shape[1] == seq_len:
+        return whole.redistribute(am.mesh, am.placements(cp=Shard(1)))
+    return whole if x.is_floating_point() else x
+
+
+def _swap(x: torch.Tensor, partner: int, group) -> torch.Tensor:
+    """``x`` (batch, heads, rows, dim) exchanged with rank ``partner`` of ``group`` (itself
+    allowed), differentiably: the backward swaps the gradients back."""
+    n = group.size()
+    rows = x.shape[2]
+    splits = [rows if j == partner else 0 for j in range(n)]
+    t = x.transpose(0, 2).contiguous()  # all_to_all splits dim 0
+    t = funcol.all_to_all_single_autograd(t, splits, splits, group)
+    return t.transpose(0, 2)
+
+
+def _local_mask(mask, q: DTensor, am: ActMesh) -> torch.Tensor | None:
+    """An attention mask as this rank's local tensor over the whole key sequence: replicated on
+    cp; on tp, split with the query heads when it has a heads dim of its own."""
+    if mask is None:
+        return None
+    heads = mask.dim() == 4 and mask.shape[1] > 1
+    tp_pl = am.tp_of(q) if am.has("tp") and heads else Replicate()
+    if isinstance(mask, DTensor):
+        return mask.redistribute(am.mesh, am.placements(tp=tp_pl)).to_local()
+    if isinstance(tp_pl, Shard):
+        tp = am.size("tp")
+        return mask.chunk(tp, tp_pl.dim)[am.mesh.get_local_rank(am.names.index("tp"))]
+    return mask
+
+
+def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor, n_out: int):
+    """A fused attention op on queries split along the sequence over cp (see the module
+    docstring), as a tuple like the op's with only the output filled; None when the queries are
+    not split that way (DTensor's own rules then run it). ``like``: the traced op's output."""
+    a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
+    q, k, v = a["query"], a["key"], a["value"]
+    ci = am.names.index("cp")
+    if not isinstance(q, DTensor) or q.placements[ci] != Shard(2) or q.dim() != 4:
+        return None
+    # Contiguous first: a DTensor's global strides must describe its local tensor (a reshape in
+    # the backward decides by them), and the gradients that come back here are made contiguous.
+    q, k, v = (t.contiguous() if isinstance(t, DTensor) else t for t in (q, k, v))
+    cp, r = am.size("cp"), am.mesh.get_local_rank(ci)
+    S = q.shape[2]
+    c = S // (2 * cp)
+    # Keys and values of the whole sequence; each rank's gradient for them is a partial sum
+    # over its queries, reduce-scattered back to the ranks that own those tokens.
+    kv = []
+    for t in (k, v):
+        if not isinstance(t, DTensor):
+            t = DTensor.from_local(t, am.mesh, am.placements(), run_check=False)
+        whole = t.redistribute(am.mesh, am.with_dim(t.placements, "cp", Replicate()))
+        kv.append(_ContiguousGrad.apply(whole.to_local(grad_placements=am.with_dim(whole.placements, "cp", Partial()))))
+    kl, vl = kv
+    group = am.mesh.get_group(ci)
+    partner = cp - 1 - r
+    ql = _ContiguousGrad.apply(q.to_local())
+    qb = torch.cat([ql.narrow(2, 0, c), _swap(ql.narrow(2, c, c), partner, group)], 2)
+    rows = torch.cat([torch.arange(2 * r * c, (2 * r + 1) * c, device=ql.device),
+                      torch.arange((2 * partner + 1) * c, (2 * partner + 2) * c, device=ql.device)])
+    mask = _local_mask(a.get("attn_mask", a.get("attn_bias")), q, am)
+    if mask is not None:
+        if mask.dim() >= 2 and mask.shape[-2] == S:
+            mask = mask.index_select(-2, rows)
+    elif a.get("is_causal"):
+        mask = torch.arange(S, device=ql.device)[None, :] <= rows[:, None]
+    scale, dropout = a.get("scale"), a.get("dropout_p", 0.0)
+    if target == _aten._scaled_dot_product_flash_attention_for_cpu.default:
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros((), dtype=ql.dtype, device=ql.device).masked_fill(~mask, float("-inf"))
+        out = target(qb, kl, vl, dropout, False, attn_mask=mask, scale=scale)[0]
+    else:
+        out = F.scaled_dot_product_attention(qb, kl, vl, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                             enable_gqa=kl.shape[1] != qb.shape[1])
+    out = _laid_out_as(torch.cat([out.narrow(2, 0, c), _swap(out.narrow(2, c, c), partner, group)], 2), like)
+    return (DTensor.from_local(out, am.mesh, q.placements, run_check=False, shape=like.shape, stride=like.stride()),
+            *([None] * (n_out - 1)))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous: an attention kernel's input gradients may come
+    in another memory order, and the DTensor they go back into describes a contiguous one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _laid_out_as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in the memory order of ``like`` (the traced op's output, e.g. CPU flash attention's
+    (batch, seq, heads, dim) layout under a (batch, heads, seq, dim) shape), which the views
+    traced after it rely on."""
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))
+    return t.permute(order).contiguous().permute([order.index(d) for d in range(like.dim())])
+
+
+def mean_nll(args: tuple, am: ActMesh):
+    """``nll_loss_forward(input, target, weight, mean, ignore_index)`` over tokens split on cp:
+    the sum of the losses over the count of counted tokens, each over the whole batch."""
+    logp, target, weight, _, ignore = args
+    total, _ = _aten.nll_loss_forward.default(logp, target, weight, 2, ignore)
+    counted = target != ignore
+    if weight is None:
+        count = counted.sum()
+    else:
+        count = (weight[target.clamp(min=0)] * counted).sum()
+    count = count.to(total.dtype)
+    return total / count, count
+
+
+def splits_loss(args: tuple, am: ActMesh) -> bool:
+    """Whether an ``nll_loss_forward`` call takes the mean over tokens split on cp."""
+    logp = args[0]
+    if len(args) < 5 or args[3] != 1 or not isinstance(logp, DTensor):
+        return False
+    return not logp.placements[am.names.index("cp")].is_replicate()
