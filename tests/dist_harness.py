@@ -34,7 +34,7 @@ def model_batch(case: dict, seed: int):
     """The case's model's inputs (a tuple: token ids, or images) and target for one batch."""
     from tests import zoo
 
-    return zoo.example(case.get("model", "llama-tiny"), seed, B=case.get("batch", 8))
+    return zoo.example(case.get("model", "llama-tiny"), seed, B=case.get("batch", 8), S=case.get("seq", 32))
 
 
 def _full(t):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.operator_schemas import normalize_function
 
 _aten = torch.ops.aten
@@ -182,10 +183,40 @@ def _laid_out_as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.permute(order).contiguous().permute([order.index(d) for d in range(like.dim())])
 
 
+def _as_rows(x, am: ActMesh):
+    """``x`` (batch and sequence flattened into dim 0: ``_StridedShard`` on cp) relabelled as
+    ``Shard(0)``: the same local rows, in another global order. Sound only for what treats rows
+    alike: a row-wise op (relabelled back after) or a reduction over all rows with its targets
+    relabelled the same way. Loss parallelism (the vocabulary split over tp) takes no other."""
+    if not isinstance(x, DTensor):
+        return x
+    i = am.names.index("cp")
+    p = x.placements[i]
+    if not isinstance(p, _StridedShard) or p.dim != 0:
+        return x
+    return DTensor.from_local(x.to_local(), am.mesh, am.with_dim(x.placements, "cp", Shard(0)), run_check=False,
+                              shape=x.shape, stride=x.stride())
+
+
+def rowwise(target, args: tuple, kwargs: dict, am: ActMesh):
+    """``_log_softmax`` over the last dim of flattened tokens split on cp, run on ``_as_rows``
+    (loss parallelism refuses a ``_StridedShard``); None when the input is not that."""
+    x = args[0]
+    rows = _as_rows(x, am)
+    if rows is x or x.dim() != 2 or args[1] % 2 != 1:
+        return None
+    out = target(rows, *args[1:], **kwargs)
+    return DTensor.from_local(out.to_local(), am.mesh, x.placements, run_check=False, shape=out.shape,
+                              stride=out.stride())
+
+
 def mean_nll(args: tuple, am: ActMesh):
     """``nll_loss_forward(input, target, weight, mean, ignore_index)`` over tokens split on cp:
     the sum of the losses over the count of counted tokens, each over the whole batch."""
     logp, target, weight, _, ignore = args
+    ci = am.names.index("cp")
+    if isinstance(target, DTensor) and isinstance(logp, DTensor) and target.placements[ci] == logp.placements[ci]:
+        logp, target = _as_rows(logp, am), _as_rows(target, am)  # the same rows relabelled alike
     total, _ = _aten.nll_loss_forward.default(logp, target, weight, 2, ignore)
     counted = target != ignore
     if weight is None:

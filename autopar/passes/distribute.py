@@ -227,6 +227,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
             elif split_seq and n.target == _aten.nll_loss_forward.default and cp.splits_loss(args, am):
                 with fx_traceback.annotate({"pass": "cp"}):
                     out = cp.mean_nll(args, am)
+            elif split_seq and n.target == _aten._log_softmax.default:
+                out = cp.rowwise(n.target, args, kwargs, am)
             elif rules is not None and args and isinstance(args[0], DTensor):
                 if n.target in SPLIT_OPS:
                     out = _local_split(args[0], n, args, am)

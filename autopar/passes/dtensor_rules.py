@@ -9,9 +9,12 @@ sharded; an attention mask follows the heads or batch dim when it has one, else 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._ops.utils import (
     expand_to_full_mesh_op_strategy,
     register_op_strategy,
@@ -45,3 +48,24 @@ def _cpu_flash_forward(op_schema):
                       schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))
 def _cpu_flash_backward(op_schema):
     return _attention_strategy(op_schema, n_out=3, n_in=6)
+
+
+def _outside_tracing(fn):
+    """``fn`` (index arithmetic on plain ints) run with the fake and proxy modes off: inside
+    ``make_fx`` its small ``arange``s and ``tolist``s would be traced, each ``tolist`` an unbacked
+    symbol, which made one matmul's sharding propagation on a (cp, tp) mesh take minutes."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    @functools.wraps(fn)
+    def wrapper(self, curr_local_size, num_chunks, rank, *args, **kwargs):
+        if not all(isinstance(v, int) for v in (curr_local_size, num_chunks, rank)):
+            return fn(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+        with _disable_current_modes():
+            return fn(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+
+    return wrapper
+
+
+# The sequence split of context parallelism flattens (batch, sequence) into one dim before every
+# linear: an interleaved ``_StridedShard``, whose shard sizes DTensor computes with tensors.
+_StridedShard.local_shard_size_and_offset = _outside_tracing(_StridedShard.local_shard_size_and_offset)
