@@ -344,6 +344,10 @@ def _block_linears(bt: BlockTrace, found) -> tuple[dict[str, Linear], dict[str, 
     return linears, bias_of, tp_nodes
 
 
+# A fused projection's parts: split off, then each viewed as its heads.
+_PARTS = ("split", "split_with_sizes", "chunk", "getitem")
+
+
 def _find_heads(linears: dict[str, Linear], nodes: dict) -> None:
     """Set each column linear's head count (in place): its output viewed as (..., n, d...) with
     n*prod(d...) == out_features has n heads (or groups of heads, as Falcon's (kv groups, q per
@@ -356,11 +360,13 @@ def _find_heads(linears: dict[str, Linear], nodes: dict) -> None:
             nxt = []
             for x in frontier:
                 for un in nodes[x].users:
-                    if un.op != "call_function" or op_name(un.target) not in VIEW_OPS:
+                    if un.op != "call_function" or op_name(un.target) not in (*VIEW_OPS, *_PARTS):
                         continue
                     v = _val(un)
-                    n = _leading_feature_dim(v, l.out_features) if v is not None else None
+                    n = _leading_feature_dim(v, l.out_features) if isinstance(v, torch.Tensor) else None
                     if n is not None and n == l.parts > 1:  # stacked parts: (q k v, heads, head dim)
+                        n = _leading_feature_dim(v, l.out_features // l.parts)
+                    elif n is None and l.parts > 1 and isinstance(v, torch.Tensor):  # one part, split off
                         n = _leading_feature_dim(v, l.out_features // l.parts)
                     if n is not None:
                         l.heads = n
@@ -481,7 +487,11 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     if col_heads:
         heads = max(l.heads for l in col_heads)
         kv_heads = min(l.heads for l in col_heads)
-        head_dim = col_heads[0].out_features // col_heads[0].heads
+        head_dim = col_heads[0].out_features // col_heads[0].parts // col_heads[0].heads
+    else:  # no per-head projection found (a fused one): the keys' shape at the attention kernel
+        keys = [n.args[1].meta["val"] for n in gm.graph.nodes if n.op == "call_function" and op_name(n.target) in ATTENTION_OPS]
+        if keys and keys[0].dim() == 4:
+            kv_heads, head_dim = int(keys[0].shape[1]), int(keys[0].shape[3])
 
     # Node costs and regions.
     pnames = set(param_of)

@@ -28,6 +28,11 @@ VIEW_OPS = {
 FEATURE_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
                  _aten.clone.default, _aten._to_copy.default}
 # Ops that split one tensor into parts (a fused QKV or gate/up projection).
+# The fused attention kernels a traced step calls: CPU's, and the GPU's flash, efficient and cuDNN.
+ATTENTION_OPS = (_aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 _aten._scaled_dot_product_flash_attention.default,
+                 _aten._scaled_dot_product_efficient_attention.default,
+                 _aten._scaled_dot_product_cudnn_attention.default)
 SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
 # The functional collectives the passes insert (``_c10d_functional``), by op name.
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.fxops import FEATURE_VIEWS, SPLIT_OPS
+from autopar.fxops import ATTENTION_OPS, FEATURE_VIEWS, SPLIT_OPS
 
 _aten = torch.ops.aten
 _PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of the result swaps on t/transpose)
@@ -25,9 +25,7 @@ _NORMS = {_aten.native_layer_norm.default, _aten.layer_norm.default, _aten.rms_n
 _REDUCTIONS = {_aten.mean.dim, _aten.sum.dim_IntList, _aten.var.correction, _aten.var_mean.correction}
 # Products of two activations (attention's scores and outputs): a reduction after one is over
 # positions or heads, not over a linear's features.
-_PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default, _aten.matmul.default,
-             _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-             _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_cudnn_attention.default}
+_PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default, _aten.matmul.default, *ATTENTION_OPS}
 
 
 def _reduced_features(n: torch.fx.Node) -> int | None:

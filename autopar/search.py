@@ -198,7 +198,7 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
     for tp in tps:
         if "tp" in pins and tp != pins["tp"]:
             continue
-        for pp, cp in ((pp, cp) for pp in divisors(world // tp) for cp in cp_options(ctx, world // tp // pp, pins)):
+        for pp, cp in ((p, c) for p in divisors(world // tp) for c in cp_options(ctx, world // tp // p, pins)):
             if pp > m.n_layers or ("pp" in pins and pp != pins["pp"]):
                 continue
             dp = world // (tp * pp * cp)

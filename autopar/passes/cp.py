@@ -37,11 +37,6 @@ from torch.fx.operator_schemas import normalize_function
 
 _aten = torch.ops.aten
 
-# The fused attention ops a traced step calls (CPU's, and the GPU's flash, efficient and cuDNN kernels).
-ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu.default,
-             _aten._scaled_dot_product_flash_attention.default,
-             _aten._scaled_dot_product_efficient_attention.default,
-             _aten._scaled_dot_product_cudnn_attention.default)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
 from autopar.errors import AutoparError
-from autopar.fxops import SPLIT_OPS
+from autopar.fxops import ATTENTION_OPS, SPLIT_OPS
 from autopar.passes import GATHERED_INPUT, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param
@@ -221,7 +221,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arg(a, n))
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
-            if split_seq and n.target in cp.ATTENTION:
+            if split_seq and n.target in ATTENTION_OPS:
                 with fx_traceback.annotate({"pass": "cp"}):
                     out = cp.attention(n.target, args, kwargs, am, n.meta["val"][0], len(n.meta["val"]))
             elif split_seq and n.target == _aten.nll_loss_forward.default and cp.splits_loss(args, am):

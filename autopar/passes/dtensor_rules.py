@@ -14,11 +14,11 @@ import functools
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._ops.utils import (
     expand_to_full_mesh_op_strategy,
     register_op_strategy,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 
 _aten = torch.ops.aten
 
