@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autopar.passes import GATHERED_INPUT, PassContext
+from autopar.passes.cp import KV_GATHERED
 
 _aten = torch.ops.aten
 SAVE_OPS = {
@@ -98,14 +99,17 @@ def _is_collective(target) -> bool:
 
 def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.GraphModule:
     modes = {i: l.ac for i, l in enumerate(plan.layers)}
-    reshard = plan.fsdp and plan.reshard_after_forward and plan.dp_shard > 1
+    reshard = plan.fsdp and plan.reshard_after_forward and plan.dp_shard * plan.cp > 1
     tagged: dict[str, int] = {}
     for n in forward_nodes(gm):
         custom = n.meta.get("custom", {})
-        if reshard and custom.get("pass") == "fsdp":
+        # Reshard after forward: the backward gathers each parameter again. Context parallelism:
+        # the backward gathers the whole sequence's keys and values again (each rank keeps its own).
+        again = "reshard" if reshard and custom.get("pass") == "fsdp" else "cp" if custom.get("why") == KV_GATHERED else None
+        if again:
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = 0
-            tagged["reshard"] = tagged.get("reshard", 0) + 1
+            tagged[again] = tagged.get(again, 0) + 1
             continue
         layer = custom.get("layer")
         mode = modes.get(layer, "none") if layer is not None else "none"
@@ -120,7 +124,8 @@ def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.Graph
         n.meta["ac_graph_id"] = layer + 1
         tagged[mode] = tagged.get(mode, 0) + 1
     for k, v in sorted(tagged.items()):
-        ctx.note("ac", f"{v} forward nodes tagged {k}" if k != "reshard" else
-                 f"{v} parameter-gather nodes recomputed in backward (reshard after forward)")
+        ctx.note("ac", {"reshard": f"{v} parameter-gather nodes recomputed in backward (reshard after forward)",
+                        "cp": f"{v} key/value-gather nodes recomputed in backward (context parallelism)"}.get(
+                            k, f"{v} forward nodes tagged {k}"))
     gm.recompile()
     return gm

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -108,12 +109,53 @@ def _local_mask(mask, q: DTensor, am: ActMesh) -> torch.Tensor | None:
     return mask
 
 
-def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor, n_out: int):
+# What the AC pass recomputes in the backward instead of keeping (the whole sequence's keys and values).
+KV_GATHERED = "cp keys and values gathered"
+_REPEAT_CHAIN = {_aten.slice.Tensor, _aten.unsqueeze.default, _aten.expand.default, _aten.clone.default,
+                 _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default}
+
+
+def unrepeated(node: torch.fx.Node, env: dict):
+    """The key or value heads before grouped-query attention repeated them (HF's ``repeat_kv``:
+    ``x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)``) as (value, n), or
+    (``node``'s value, 1) when ``node`` is not such a repeat: context parallelism then gathers
+    ``kv`` heads, not ``kv * n``."""
+    chain, x = [], node
+    while isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in _REPEAT_CHAIN:
+        chain.append(x)
+        x = x.args[0]
+    expands = [n for n in chain if n.target == _aten.expand.default]
+    if not isinstance(x, torch.fx.Node) or len(expands) != 1 or not isinstance(env.get(x), DTensor):
+        return env[node], 1
+    base, out = x.meta["val"], node.meta["val"]
+    src, dst = expands[0].args[0].meta["val"].shape, expands[0].meta["val"].shape
+    n = dst[2] if len(dst) == 5 else 0
+    if not all(_whole_slice(s) for s in chain if s.target == _aten.slice.Tensor):
+        return env[node], 1
+    if (base.dim() != 4 or out.dim() != 4 or len(src) != 5 or src[2] != 1 or n < 2
+            or tuple(src[:2]) + tuple(src[3:]) != tuple(base.shape) or tuple(out.shape) != (
+                base.shape[0], base.shape[1] * n, *base.shape[2:])):
+        return env[node], 1
+    return env[x], n
+
+
+def _whole_slice(s: torch.fx.Node) -> bool:
+    """A ``slice`` that keeps every element (HF's ``x[:, :, None, :, :]`` traces to such slices)."""
+    dim, start, end, step = (list(s.args[1:]) + [0, None, None, 1][len(s.args) - 1:])[:4]
+    size = s.args[0].meta["val"].shape[dim]
+    return start in (0, None) and (end is None or end >= size) and step == 1
+
+
+def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor, n_out: int, kv_nodes=(None, None),
+              env=None):
     """A fused attention op on queries split along the sequence over cp (see the module
     docstring), as a tuple like the op's with only the output filled; None when the queries are
-    not split that way (DTensor's own rules then run it). ``like``: the traced op's output."""
+    not split that way (DTensor's own rules then run it). ``like``: the traced op's output;
+    ``kv_nodes``: the graph nodes of its keys and values (gathered before a GQA repeat)."""
     a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
     q, k, v = a["query"], a["key"], a["value"]
+    (k, n_k), (v, n_v) = ((unrepeated(node, env) if isinstance(node, torch.fx.Node) and env is not None else (t, 1))
+                          for node, t in zip(kv_nodes, (k, v)))
     ci = am.names.index("cp")
     if not isinstance(q, DTensor) or q.placements[ci] != Shard(2) or q.dim() != 4:
         return None
@@ -126,11 +168,13 @@ def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor
     # Keys and values of the whole sequence; each rank's gradient for them is a partial sum
     # over its queries, reduce-scattered back to the ranks that own those tokens.
     kv = []
-    for t in (k, v):
+    for t, n in ((k, n_k), (v, n_v)):
         if not isinstance(t, DTensor):
             t = DTensor.from_local(t, am.mesh, am.placements(), run_check=False)
-        whole = t.redistribute(am.mesh, am.with_dim(t.placements, "cp", Replicate()))
-        kv.append(_ContiguousGrad.apply(whole.to_local(grad_placements=am.with_dim(whole.placements, "cp", Partial()))))
+        with fx_traceback.annotate({"why": KV_GATHERED}):
+            whole = t.redistribute(am.mesh, am.with_dim(t.placements, "cp", Replicate()))
+            local = _ContiguousGrad.apply(whole.to_local(grad_placements=am.with_dim(whole.placements, "cp", Partial())))
+            kv.append(local.repeat_interleave(n, dim=1) if n > 1 else local)
     kl, vl = kv
     group = am.mesh.get_group(ci)
     partner = cp - 1 - r

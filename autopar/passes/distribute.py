@@ -223,7 +223,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
             out = None
             if split_seq and n.target in ATTENTION_OPS:
                 with fx_traceback.annotate({"pass": "cp"}):
-                    out = cp.attention(n.target, args, kwargs, am, n.meta["val"][0], len(n.meta["val"]))
+                    kv_nodes = (n.args[1], n.args[2]) if len(n.args) > 2 else (None, None)
+                    out = cp.attention(n.target, args, kwargs, am, n.meta["val"][0], len(n.meta["val"]), kv_nodes, env)
             elif split_seq and n.target == _aten.nll_loss_forward.default and cp.splits_loss(args, am):
                 with fx_traceback.annotate({"pass": "cp"}):
                     out = cp.mean_nll(args, am)
