@@ -972,6 +972,9 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device,
                       precision=mixed.precision)
+    if p.cp > 1 and not capture.is_token_ids(example_inputs[0]):
+        raise AutoparError(f"context parallelism (cp={p.cp}) splits sequences of token ids over ranks; this model "
+                           f"takes {tuple(example_inputs[0].shape)} {example_inputs[0].dtype} inputs: plan with cp=1")
     if p.seq_len != prof.profile.seq_len:
         raise PlanMismatchError(f"the plan is for sequences of {p.seq_len} tokens, the example inputs have "
                                 f"{prof.profile.seq_len}")

@@ -356,29 +356,35 @@ def test_context_parallel_splits_the_tokens_and_gathers_keys_and_values(llama8b,
     kv = 2 * llama8b.seq_len * (b.kv_heads // tp if b.kv_heads >= tp else b.kv_heads) * b.head_dim * 2
     g = two.g_cp
     assert g == Group(2, 2 if tp == 1 else 1)
-    want = 2 * collective_time(hw, "all_gather", kv, g) + collective_time(hw, "reduce_scatter", kv, g)
+    # Half of each rank's queries (and their outputs) swapped with the mirror rank, both ways.
+    half = llama8b.seq_len / 4 * (b.heads // tp) * b.head_dim * 2
+    want = (2 * collective_time(hw, "all_gather", kv, g) + collective_time(hw, "reduce_scatter", kv, g)
+            + 4 * collective_time(hw, "send_recv", half, g))
     assert two.coeffs.parts["none"]["cp_comm"] == pytest.approx(want, rel=1e-9)
     assert one.coeffs.parts["none"]["cp_comm"] == 0.0
     e = estimate(ctx, two.cfg, ac="none")
     cp = [c for c in e.collectives if c["group"] == "cp"]
-    assert {c["kind"] for c in cp} == {"all_gather", "reduce_scatter"} and all(c["bytes"] == kv for c in cp)
+    assert {c["kind"] for c in cp} == {"all_gather", "reduce_scatter", "send_recv"}
+    assert all(c["bytes"] == (half if c["kind"] == "send_recv" else kv) for c in cp)
     assert any(c["group"] == "dp_shard x cp" and c["group_size"] == 16 for c in e.collectives)
     if tp > 1:  # the sequence-parallel messages carry half the tokens
         tp_msgs = {c["bytes"] for c in e.collectives if c["group"] == "tp" and c["kind"] == "all_gather"}
         assert llama8b.seq_len * llama8b.hidden * 2 / 2 in tp_msgs
 
 
-def test_context_parallel_is_priced_not_planned(llama8b, tmp_path):
+def test_context_parallel_is_planned_when_pinned(llama8b, tmp_path):
     from autopar import api, search
     from autopar.plan import Plan
 
     ctx = CostContext(llama8b, load_hardware("h100"), 8)
     with pytest.raises(AutoparError, match="multiple of 8"):
         estimate(CostContext(profile("llama-tiny", 60), load_hardware("h100"), 8), Config(dp=2, cp=4))
-    with pytest.raises(AutoparError, match="cp=2 is priced by `autopar estimate` only"):
-        search.check_pins(ctx, 16, search.parse_pins("cp=2"))
+    with pytest.raises(AutoparError, match="multiple of 8"):
+        search.check_pins(CostContext(profile("llama-tiny", 60), load_hardware("h100"), 8), 16,
+                          search.parse_pins("cp=4"))
+    search.check_pins(ctx, 16, search.parse_pins("cp=2"))
     plan, est, _ = api.estimate_plan("llama-tiny", 8, "dp=4,cp=2,fsdp=1", global_batch=8)
-    assert est.config.cp == 2 and plan.pins["cp"] == 2
+    assert est.config.cp == 2 and plan.cp == 2 and plan.mesh_shape == (1, 1, 4, 2, 1)
     from autopar.explain import render
 
     text = render(plan)
@@ -387,9 +393,11 @@ def test_context_parallel_is_priced_not_planned(llama8b, tmp_path):
         api.estimate_plan("llama-tiny", 8, "dp=2,cp=2", global_batch=8)
     path = tmp_path / "cp.json"
     plan.save(str(path))
-    with pytest.raises(AutoparError, match="priced by `autopar estimate` with cp=2"):
-        api._resolve_plan(Plan.load(str(path)), None, 8, None, example_inputs=None, hardware=None, global_batch=None,
-                          memory_limit_gb=None, loss_fn=None, device="cpu", precision="bf16-mixed")
+    back = Plan.load(str(path))
+    assert back.cp == 2 and back.as_config_string().endswith("cp=2") and back == plan
+    # The search under a cp pin: the data-parallel degree is what is left of the world.
+    planned = api.plan("llama-tiny", 8, global_batch=8, pin={"cp": 2, "fsdp": 1}, hardware="h100")
+    assert planned.cp == 2 and planned.dp * planned.tp * planned.pp * 2 == 8
 
 
 def test_fewer_microbatches_than_stages_priced_with_its_bubble_not_run(llama8b):

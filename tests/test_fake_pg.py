@@ -46,3 +46,26 @@ def test_collectives_in_the_graph(sp, world):
         assert got["forward:all_reduce:8:tp"] == 2 * layers + 1 + 3
         assert got["backward:all_reduce:8:tp"] == 2 * layers + 1
         assert tp_gathers == 0
+
+
+def test_context_parallel_collectives_are_the_priced_ones():
+    """CP 4 x TP 8 + SP x FSDP 2 on 64 ranks: per layer, the keys and values (one kv head per TP
+    rank, not the four query heads they serve) gathered over cp in the forward and again in the
+    backward, their gradients reduce-scattered, half the queries and the outputs swapped each way;
+    the parameters sharded over dp_shard x cp (8). The bytes are those the plan prices."""
+    r = subprocess.run([sys.executable, SCRIPT, "1", "64", "4"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
+    got, nbytes, plan = d["got"], d["bytes"], d["plan"]
+    layers = 2
+    for key in ("forward:all_gather_into_tensor:4:cp", "backward:all_gather_into_tensor:4:cp",
+                "backward:reduce_scatter_tensor:4:cp", "forward:all_to_all_single:4:cp", "backward:all_to_all_single:4:cp"):
+        assert got[key] == 2 * layers, (key, got)
+    kv = 1 * 256 * 1 * 128 * 2  # batch 1 x 256 tokens x one kv head x head dim 128, bf16
+    assert nbytes["forward:all_gather_into_tensor:4:cp"] == 2 * layers * kv
+    priced = {k.split(":")[1]: int(k.split(":")[2]) * v for k, v in plan.items() if k.startswith("cp:")}
+    assert priced["all_gather"] == nbytes["forward:all_gather_into_tensor:4:cp"] + nbytes["backward:all_gather_into_tensor:4:cp"]
+    assert priced["reduce_scatter"] == 4 * nbytes["backward:reduce_scatter_tensor:4:cp"]  # recorded: each rank's part
+    # the swap: priced as the half each rank sends; all_to_all_single's buffer is that half
+    assert priced["send_recv"] == nbytes["forward:all_to_all_single:4:cp"] + nbytes["backward:all_to_all_single:4:cp"]
+    assert got["backward:reduce_scatter_tensor:8:fsdp"] >= layers

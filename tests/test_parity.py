@@ -142,8 +142,15 @@ CI_MIXED = [case(m, f"{n}_bf16", p, mp="bf16-mixed") for m in ("hf-llama", "gpt-
             for n, p in (("fsdp4", PLANS["fsdp4"]), ("tp2_fsdp2_sp", TP2_FSDP2_SP), ("pp2_fsdp2", PP4["pp2_fsdp2"]))] + [
     case("hf-llama", "ddp4_bf16", PLANS["ddp4"], mp="bf16-mixed"),  # cast, no gather; fp32 all-reduce
     case("hf-deit", "fsdp4_bf16", PLANS["fsdp4"], mp="bf16-mixed")]  # images cast to bf16 as FSDP2 casts them
+# Context parallelism: HF Llama's 128-token sequences split over 2 or 4 ranks (attention over the
+# gathered keys and values of grouped-query heads, head-tail balanced queries), with FSDP over
+# dp_shard x cp and with TP + SP on a (cp, tp) mesh; GPT's explicit attention (learned positions,
+# a tied head) and Qwen2's biased projections under cp 2 x FSDP 2.
+CP = {"cp2_fsdp2": {"cp": 2, "dp": 2, "fsdp": 1}, "cp4": {"cp": 4}, "cp2_tp2_sp": {"cp": 2, "tp": 2, "sp": 1}}
+CI_CP = [case("hf-llama", n, p, seq=128, steps=2) for n, p in CP.items()] + [
+    case(m, "cp2_fsdp2", CP["cp2_fsdp2"], steps=2) for m in ("gpt-tiny", "hf-qwen2")]
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
-            "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED)}
+            "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED), "cp": (4, CI_CP)}
 MATRIX = {"models_a", "models_b"}
 _results: dict = {}
 
@@ -157,7 +164,7 @@ def _launch(name: str) -> dict:
 
 # Each xdist group runs on one worker, so each launch runs once; two launches at a time.
 GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans": "parity-b", "pp4": "parity-c", "pp2": "parity-c",
-         "mixed": "parity-a"}
+         "mixed": "parity-a", "cp": "parity-d"}
 
 
 @pytest.mark.slow

@@ -832,8 +832,14 @@ def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
         return []
     kv_local = b.kv_heads // cfg.tp if b.kv_heads >= cfg.tp else b.kv_heads
     msg = cfg.mb * ctx.model.seq_len * 2 * kv_local * b.head_dim * ctx.act_bytes
-    return [("all_gather", msg, 1, 1, "CP: keys and values of the whole sequence (attention)"),
-            ("reduce_scatter", msg, 0, 1, "CP: key and value gradients to their tokens' ranks")]
+    # Causal balance: each rank swaps half its queries (and back, their outputs) with the mirror
+    # rank, so every rank computes chunks 2r and 2cp-1-2r of 2cp (passes/cp.py); the backward
+    # swaps the outputs' and the queries' gradients.
+    heads_local = (b.heads or b.kv_heads) // cfg.tp if (b.heads or b.kv_heads) >= cfg.tp else (b.heads or b.kv_heads)
+    half = cfg.mb * ctx.model.seq_len / (2 * cfg.cp) * heads_local * b.head_dim * ctx.act_bytes
+    return [("all_gather", msg, 1, 1, "CP: keys and values of the whole sequence (attention), again in backward"),
+            ("reduce_scatter", msg, 0, 1, "CP: key and value gradients to their tokens' ranks"),
+            ("send_recv", half, 2, 2, "CP: half the queries and their outputs swapped with the mirror rank")]
 
 
 def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tuple]:

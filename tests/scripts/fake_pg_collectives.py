@@ -1,7 +1,7 @@
 """On a fake process group: plan an 8B-shaped Llama (2 layers) with TP 8 x FSDP, apply the plan
 with the graph executor (default options: Inductor compiles the graphs counted), and print the
 collectives counted from the forward and backward graphs beside the TP collectives the plan lists.
-Usage: fake_pg_collectives.py SP WORLD"""
+Usage: fake_pg_collectives.py SP WORLD [CP]"""
 import collections
 import dataclasses
 import json
@@ -16,8 +16,9 @@ from autopar import models
 
 cfg = dataclasses.replace(models.PRESETS["llama3-8b"], n_layers=2, max_seq_len=256)
 sp, world = int(sys.argv[1]), int(sys.argv[2])
-dp = world // 8
-pins = f"tp=8,dp={dp},dp_shard=8,pp=1,sp={sp},fsdp=1,mb=1,ac=none"
+cp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+dp = world // 8 // cp
+pins = f"tp=8,dp={dp},dp_shard={min(dp, 8)},pp=1,sp={sp},fsdp=1,mb=1,ac=none" + (f",cp={cp}" if cp > 1 else "")
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 with torch.device("meta"):
     model = models.Llama(cfg).to(torch.bfloat16)
