@@ -237,10 +237,22 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
     return out
 
 
+# Sequences from this length on are also tried split over ranks (context parallelism): shorter
+# ones keep each rank's share of tokens large enough for its matmuls.
+CP_FROM_SEQ_LEN = 16384
+
+
 def cp_options(ctx: CostContext, ranks: int, pins: dict) -> list[int]:
-    """Context-parallel degrees to try on ``ranks`` ranks: the pinned one, else 1."""
-    cp = pins.get("cp", 1)
-    return [cp] if ranks % cp == 0 else []
+    """Context-parallel degrees to try on ``ranks`` ranks: the pinned one; else 1 and, for long
+    sequences of a model whose attention heads the analysis found, each degree up to 32 that
+    divides the ranks and leaves every rank two equal chunks of at least 1,024 tokens."""
+    if "cp" in pins:
+        return [pins["cp"]] if ranks % pins["cp"] == 0 else []
+    m = ctx.model
+    if m.seq_len < CP_FROM_SEQ_LEN or not m.blocks or any(not (b.kv_heads and b.head_dim) for b in m.blocks):
+        return [1]
+    return [1] + [c for c in (2, 4, 8, 16, 32) if ranks % c == 0 and m.seq_len % (2 * c) == 0
+                  and m.seq_len // (2 * c) >= 1024]
 
 
 def _allowed(pins: dict) -> tuple[bool, bool, bool]:

@@ -86,8 +86,8 @@ CLI_CASES = [
     ("pin_once_bad_value", "estimate llama3-8b --gpus 8 --plan fsdp=1,dp=8,once=always", r"once='always': choose microbatch"),
     ("pin_unit_estimate_only", "explain llama3-8b --gpus 8 --pin unit=tensor", r"unit=tensor is priced by `autopar estimate` only"),
     ("unit_bad_value", "estimate llama3-8b --gpus 8 --plan fsdp=1,dp=8,unit=param", r"unit='param': choose layer"),
-    ("pin_cp_estimate_only", "explain llama3-8b --gpus 8 --pin cp=2", r"cp=2 is priced by `autopar estimate` only: "
-     r"autopar's executor does not split a sequence"),
+    ("pin_cp_not_splitting_sequence", "explain llama3-8b --gpus 24 --seq-len 8192 --pin cp=3",
+     r"splits each 8192-token sequence into 2 x cp = 6 chunks"),
     ("cp_product_not_world", "estimate llama3-8b --gpus 8 --plan dp=2,cp=2", r"tp\*pp\*dp\*cp = 1\*1\*2\*2 = 4 but there are 8"),
     ("cp_not_splitting_sequence", "estimate llama3-8b --gpus 24 --seq-len 8192 --global-batch 8 --plan dp=8,cp=3",
      r"splits each 8192-token sequence into 2 x cp = 6 chunks"),

@@ -27,7 +27,7 @@ def test_round_trip(tiny_plan, tmp_path):
     assert back == tiny_plan
     assert back.to_json() == tiny_plan.to_json()
     assert tiny_plan.diff(back) == []
-    assert back.mesh_shape == (tiny_plan.pp, tiny_plan.dp // tiny_plan.dp_shard, tiny_plan.dp_shard, tiny_plan.tp)
+    assert back.mesh_shape == (tiny_plan.pp, tiny_plan.dp // tiny_plan.dp_shard, tiny_plan.dp_shard, tiny_plan.cp, tiny_plan.tp)
     assert len(back.layers) == 4
 
 

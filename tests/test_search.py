@@ -157,3 +157,17 @@ def test_rank_affine_is_the_rank_model(llama8b):
                     assert affine == pytest.approx(exact, rel=1e-12)
                 checked += 1
     assert checked > 1000
+
+
+def test_long_sequences_are_split_over_ranks():
+    """At 131,072 tokens Llama 3 8B's activations leave no room without context parallelism:
+    the search tries cp for sequences from ``CP_FROM_SEQ_LEN`` tokens and picks it; the
+    winner's runners-up include plans without it. Short sequences are not split."""
+    from autopar.api import profile_model
+
+    long = profile_model("llama3-8b", seq_len=131072).profile
+    r = search.search(CostContext(long, load_hardware("h100"), 32), 64)
+    assert r.best.config.cp > 1 and r.best.config.world == 64
+    short = CostContext(profile_model("llama3-8b", seq_len=8192).profile, load_hardware("h100"), 64)
+    assert search.cp_options(short, 64, {}) == [1]
+    assert search.cp_options(CostContext(long, load_hardware("h100"), 32), 64, {}) == [1, 2, 4, 8, 16, 32]
