@@ -7,11 +7,12 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
    cut into one step graph per pipeline stage; each then goes through the list below.
 1. ``distribute`` (``passes/distribute.py``): replays the single-device forward graph on
    DTensors placed as the plan says (TP/SP per operator from ``passes/tp.py``, FSDP/HSDP/DDP
-   per parameter from ``passes/fsdp.py``, each parameter read where it is first used) under
+   per parameter from ``passes/fsdp.py``, each parameter read where it is first used; under CP
+   the sequence split over ``cp`` and attention over gathered keys and values, ``passes/cp.py``) under
    ``make_fx``, with the gradients taken by autograd: the result is one *joint* graph of forward
    and backward on local tensors with every collective explicit (``_c10d_functional``).
 2. ``ac`` (``passes/ac.py``): tags forward nodes per layer for recomputation (full/selective)
-   and, for ZeRO-3, the parameter all-gathers, in the joint graph.
+   and, for ZeRO-3, the parameter all-gathers (under CP, the key/value gathers), in the joint graph.
 3. ``partition`` (``backend.py``): splits the joint graph into forward and backward graphs
    (min-cut partitioner, which honours the tags): a ``StepGraphs``.
 4. ``overlap`` (``passes/overlap.py``, data-parallel plans): on each of the two graphs, the

@@ -2,7 +2,8 @@
 
 An interpreter replays the single-device forward graph under ``make_fx`` on the rank's local
 tensors, with every parameter read through ``fsdp.read_param`` (its data-parallel gather) and,
-under TP, wrapped as a DTensor on the tp mesh dim with the placement from ``tp.tp_rules``. Each
+under TP or CP, wrapped as a DTensor on the mesh of those dims (``cp.ActMesh``) with its TP
+placement from ``tp.tp_rules`` (whole on cp; ``passes/cp.py`` splits the sequence). Each
 op then runs as a DTensor op, so activation placements follow by DTensor's sharding
 propagation, and the shapes baked into the graph (views, expands, head counts) are global shapes
 that DTensor turns into local ones. At the nodes the TP rules name, the value is redistributed
