@@ -9,16 +9,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests import dist_harness, zoo
-from tests.test_parity import MP_TOL, PLANS, PP4, TRAJ_TOL
+from tests.test_parity import CP, MP_TOL, PLANS, PP4, TRAJ_TOL
 
-PAIRS = [("fsdp4", "tp2_fsdp2_sp"), ("tp2_fsdp2_sp", "pp2_fsdp2"), ("pp2_ddp2", "fsdp4"), ("pp2_fsdp2", "tp2_fsdp2_sp"),
+PAIRS = [("cp2_fsdp2", "tp2_fsdp2_sp"), ("tp2_fsdp2_sp", "pp2_fsdp2"), ("pp2_ddp2", "fsdp4"), ("pp2_fsdp2", "tp2_fsdp2_sp"),
          ("fsdp4", "pp2_fsdp2")]
 # Pairs trained in mixed precision (fp32 masters, bf16 compute): the masters come back bit for bit.
 MIXED = {("fsdp4", "pp2_fsdp2"): "bf16-mixed"}
 # GPT: a fused QKV (TP holds each rank's heads of q, k and v: not one chunk of the weight) and a
 # head tied to the embedding (under PP a copy on both end stages).
 MODEL = {("tp2_fsdp2_sp", "pp2_fsdp2"): "gpt-tiny", ("pp2_fsdp2", "tp2_fsdp2_sp"): "gpt-tiny"}
-ALL = {**PLANS, **PP4}
+ALL = {**PLANS, **PP4, **CP}  # a checkpoint saved with the sequence split over cp loads without it
 
 
 @pytest.fixture(scope="module")

@@ -147,8 +147,8 @@ CI_MIXED = [case(m, f"{n}_bf16", p, mp="bf16-mixed") for m in ("hf-llama", "gpt-
 # dp_shard x cp and with TP + SP on a (cp, tp) mesh; GPT's explicit attention (learned positions,
 # a tied head) and Qwen2's biased projections under cp 2 x FSDP 2.
 CP = {"cp2_fsdp2": {"cp": 2, "dp": 2, "fsdp": 1}, "cp4": {"cp": 4}, "cp2_tp2_sp": {"cp": 2, "tp": 2, "sp": 1}}
-CI_CP = [case("hf-llama", n, p, seq=128, steps=2) for n, p in CP.items()] + [
-    case(m, "cp2_fsdp2", CP["cp2_fsdp2"], steps=2) for m in ("gpt-tiny", "hf-qwen2")]
+CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
+    case(m, "cp2_fsdp2", CP["cp2_fsdp2"]) for m in ("gpt-tiny", "hf-qwen2")]
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
             "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED), "cp": (4, CI_CP)}
 MATRIX = {"models_a", "models_b"}
