@@ -154,11 +154,11 @@ def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor
     ``kv_nodes``: the graph nodes of its keys and values (gathered before a GQA repeat)."""
     a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
     q, k, v = a["query"], a["key"], a["value"]
-    (k, n_k), (v, n_v) = ((unrepeated(node, env) if isinstance(node, torch.fx.Node) and env is not None else (t, 1))
-                          for node, t in zip(kv_nodes, (k, v)))
     ci = am.names.index("cp")
     if not isinstance(q, DTensor) or q.placements[ci] != Shard(2) or q.dim() != 4:
         return None
+    (k, n_k), (v, n_v) = ((unrepeated(node, env) if isinstance(node, torch.fx.Node) and env is not None else (t, 1))
+                          for node, t in zip(kv_nodes, (k, v)))
     # Contiguous first: a DTensor's global strides must describe its local tensor (a reshape in
     # the backward decides by them), and the gradients that come back here are made contiguous.
     q, k, v = (t.contiguous() if isinstance(t, DTensor) else t for t in (q, k, v))
