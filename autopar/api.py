@@ -766,18 +766,12 @@ def _collective_records(compiled, mesh) -> list[dict]:
     with the graph it is in and its mesh dim; backward nodes carry no annotation of their own, so
     the pass is named from the dim of their group."""
     from autopar.passes import collective_record, collectives
+    from autopar.passes.groups import dim_of
 
-    dims = {}
-    if mesh is not None:
-        for d, size in zip(mesh.mesh_dim_names, mesh.mesh.shape):
-            if size > 1:
-                dims[mesh.get_group(d).group_name] = d
-            if d == "cp" and size > 1:
-                dims[mesh.get_group("dp_shard_cp").group_name] = "dp_shard_cp"
     recs = []
     for g, gm in (("forward", compiled.fw_graph), ("backward", compiled.bw_graph)):
         for n in collectives(gm):
-            r = dict(collective_record(n), graph=g, dim=dims.get(n.args[-1], "?"))
+            r = dict(collective_record(n), graph=g, dim=dim_of(n.args[-1]) or "?")
             if r["pass"] == "?":
                 r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp", "cp": "cp",
                              "dp_shard_cp": "ddp" if r["kind"].startswith("all_reduce") else "fsdp"}.get(r["dim"], "?")

@@ -142,8 +142,7 @@ def _boxed(art) -> Callable:
 
 class _Progress:
     """``compile_graph`` that tells the terminal which graph Inductor compiles and how long it
-    took (rank 0 only: the others wait for it and then load its cached code; ``AUTOPAR_QUIET=1``
-    silences it)."""
+    took (rank 0 only, which always compiles its graphs; ``AUTOPAR_QUIET=1`` silences it)."""
 
     def __init__(self, inductor: bool, show: bool, total: int):
         self.inductor, self.total, self.done = inductor, total, 0
@@ -178,17 +177,45 @@ class _Progress:
         return out
 
 
+def _graph_key(graphs: StepGraphs) -> str:
+    """A digest of the code of every graph Inductor will compile (layer subgraphs included):
+    ranks with equal keys compile equal graphs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("fw", "bw", "bw_input", "bw_weight"):
+        if getattr(graphs, name) is not None:
+            for m in graphs.to_compile(name).modules():
+                if isinstance(m, torch.fx.GraphModule):
+                    h.update(m.code.encode())
+    return h.hexdigest()
+
+
+def _compile_order(graphs: StepGraphs, inductor: bool) -> tuple[bool, bool]:
+    """(whether this rank compiles before the others, whether there is an order at all). With
+    several processes the first rank of each distinct set of graphs compiles while the ranks
+    with the same graphs wait, and then load Inductor's cached code (``passes/groups.py`` makes
+    the graphs of SPMD ranks the same text); ranks with graphs of their own compile in parallel."""
+    import torch.distributed as dist
+
+    if not (inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"):
+        return True, False
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, _graph_key(graphs))
+    rank = dist.get_rank()
+    return keys.index(keys[rank]) == rank, True
+
+
 def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
-    """Compile each graph of the step. With several processes, rank 0 compiles first and the
-    others after it: ranks with the same graph (TP and data-parallel ranks have the same one)
-    then load Inductor's cached code instead of compiling it again on the same cores."""
+    """Compile each graph of the step. With several processes, each distinct set of graphs is
+    compiled by one rank first (``_compile_order``); the others load it from Inductor's cache."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
     fw, bw = graphs.fw, graphs.bw
     split = graphs.bw_weight is not None
-    ordered = inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
-    if ordered and dist.get_rank() != 0:
+    first, ordered = _compile_order(graphs, inductor)
+    if ordered and not first:
         dist.barrier()
     compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, 3 if split else 2)
     try:
@@ -203,7 +230,7 @@ def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
             step.bw_weight_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None
                                       for v in _example(graphs.bw_weight)]
     finally:
-        if ordered and dist.get_rank() == 0:
+        if ordered and first:
             dist.barrier()
     step.inductor = inductor
     step.fallbacks = compiled.fallbacks

@@ -127,6 +127,7 @@ def step_passes() -> list[Pass]:
     from autopar import backend
     from autopar.passes.ac import apply_ac
     from autopar.passes.distribute import distribute
+    from autopar.passes.groups import rank_agnostic_groups
     from autopar.passes.overlap import overlap
     from autopar.passes.pp import split_weight_gradients
     from autopar.passes.regions import regions
@@ -140,6 +141,7 @@ def step_passes() -> list[Pass]:
         Pass("zero-bubble split", StepGraphs, StepGraphs, split_weight_gradients,
              when=lambda ctx: ctx.step.split_weight is not None),
         Pass("regions", StepGraphs, StepGraphs, regions, optional=True),
+        Pass("group names", StepGraphs, StepGraphs, rank_agnostic_groups),
     ]
 
 
