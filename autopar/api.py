@@ -787,6 +787,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: to
     dropped from the module."""
     from autopar import capture
     from autopar.passes import PassContext, run_passes, split_passes
+    from autopar.passes import cp as cp_pass
     from autopar.passes import pp as pp_mod
     from autopar.passes.tp import placement_str
     from autopar.runtime import CompileInfo, ParallelModule
@@ -828,12 +829,18 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: to
         notes += list(rules.notes if rules else ())
         locals_ = _distribute_parameters(model, st, lay)
         # A stage's inputs: what the stage before sends (activations, which carry gradients), then
-        # the model's inputs (which do not).
+        # the model's inputs (which do not); under CP each rank's own tokens of both.
         phs = st.placeholders()[st.n_params + len(st.buffer_names):]
-        st_inputs = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype, device=mb_inputs[0].device
+        seq = cp_pass.seq_len(st) if p.cp > 1 and not st.first else None
+
+        def sent(shape):
+            return cp_pass.message_shape(shape, seq, p.cp) if seq is not None else tuple(shape)
+
+        st_inputs = [torch.zeros(sent(ph.meta["val"].shape), dtype=ph.meta["val"].dtype, device=mb_inputs[0].device
                                  ).requires_grad_(ph.meta["val"].is_floating_point()) for ph in phs[:st.n_received]]
+        st_model_inputs = [x[tuple(slice(0, n) for n in sent(x.shape))] for x in mb_inputs]
         runners[s] = (st, _build_runner(st, p, mesh, lay, rules, locals_, model, inductor=inductor,
-                                        disabled=disabled, inputs=st_inputs + mb_inputs, info=info,
+                                        disabled=disabled, inputs=st_inputs + st_model_inputs, info=info,
                                         key=f"stage {s}"))
     p = dataclasses.replace(p, placements=tuple(placements), tp_notes=tuple(notes))
     return ParallelModule(model, p, mesh, step_runner=None, forward_factory=None, loss_fn=loss_fn, info=info,

@@ -386,6 +386,7 @@ class StepGraph:
     logits_shape: tuple[int, ...] | None = None  # the model's logits (what the loss reads), when found
     final: bool = True  # its outputs are the model's (False for all but the last pipeline stage)
     n_received: int = 0  # a pipeline stage's first inputs, the activations the stage before sends
+    first: bool = True  # its inputs are the model's (False for all but the first pipeline stage)
     # What autograd saves for backward, in order: (the first node holding the saved storage, the
     # layer whose forward saved it or None outside the layers, whether a layer had started).
     saved: list[tuple[str, int | None, bool]] = field(default_factory=list)

@@ -437,13 +437,16 @@ class _StageModule(nn.Module):
         self._sg, self._runner = sg, runner
         # (shape, dtype, carries a gradient): activations sent between stages do; the model's own
         # inputs, which travel along with them (token ids, images), do not.
+        # The shapes are the compiled graph's (under CP each rank's part of the sequence).
         phs = sg.placeholders()[sg.n_params + len(sg.buffer_names):]
-        self.input_meta = [(tuple(ph.meta["val"].shape), ph.meta["val"].dtype,
-                            ph.meta["val"].is_floating_point() and i < sg.n_received) for i, ph in enumerate(phs)]
+        self.input_meta = [(shape, ph.meta["val"].dtype, ph.meta["val"].is_floating_point() and i < sg.n_received)
+                           for i, (ph, shape) in enumerate(zip(phs, runner.input_shapes))]
         from autopar.passes.distribute import output_values
 
-        self.output_meta = [(tuple(v.shape), v.dtype, i in runner.grad_outputs)
-                            for i, v in enumerate(output_values(sg))]
+        fw = runner.compiled.fw_graph
+        sent = next(iter(fw.graph.find_nodes(op="output"))).args[0][:len(output_values(sg))]
+        self.output_meta = [(tuple(o.meta["val"].shape), v.dtype, i in runner.grad_outputs)
+                            for i, (v, o) in enumerate(zip(output_values(sg), sent))]
 
     def forward(self, *inputs):
         pm = self._pm

@@ -69,3 +69,15 @@ def test_context_parallel_collectives_are_the_priced_ones():
     # the swap: priced as the half each rank sends; all_to_all_single's buffer is that half
     assert priced["send_recv"] == nbytes["forward:all_to_all_single:4:cp"] + nbytes["backward:all_to_all_single:4:cp"]
     assert got["backward:reduce_scatter_tensor:8:fsdp"] >= layers
+
+
+def test_pipeline_stages_under_cp_send_each_ranks_tokens():
+    """PP 2 x CP 2, 64-token sequences: the second stage receives its cp rank's 32 tokens of the
+    activations and of the token ids (not the whole sequence), and the plan prices exactly that
+    message: one microbatch x 32 tokens x hidden 64, fp32."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "fake_pg_pipeline_cp.py")
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
+    assert d["received"] == [[[1, 32, d["hidden"]], "float32", True], [[1, 32], "int64", False]], d
+    assert d["priced"] == [1 * 32 * d["hidden"] * 4], d

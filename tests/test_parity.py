@@ -145,10 +145,12 @@ CI_MIXED = [case(m, f"{n}_bf16", p, mp="bf16-mixed") for m in ("hf-llama", "gpt-
 # Context parallelism: HF Llama's 128-token sequences split over 2 or 4 ranks (attention over the
 # gathered keys and values of grouped-query heads, head-tail balanced queries), with FSDP over
 # dp_shard x cp and with TP + SP on a (cp, tp) mesh; GPT's explicit attention (learned positions,
-# a tied head) and Qwen2's biased projections under cp 2 x FSDP 2.
+# a tied head) and Qwen2's biased projections under cp 2 x FSDP 2; and under PP 2 x cp 2.
 CP = {"cp2_fsdp2": {"cp": 2, "dp": 2, "fsdp": 1}, "cp4": {"cp": 4}, "cp2_tp2_sp": {"cp": 2, "tp": 2, "sp": 1}}
 CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
-    case(m, "cp2_fsdp2", CP["cp2_fsdp2"]) for m in ("gpt-tiny", "hf-qwen2")]
+    case(m, "cp2_fsdp2", CP["cp2_fsdp2"]) for m in ("gpt-tiny", "hf-qwen2")] + [
+    # Pipeline stages that send each cp rank's own tokens to the next (cp.sent, cp.received).
+    case("hf-llama", "pp2_cp2", {"pp": 2, "cp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 2}, seq=128)]
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
             "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED), "cp": (4, CI_CP)}
 MATRIX = {"models_a", "models_b"}

@@ -83,6 +83,37 @@ def split_sequence(x: torch.Tensor, am: ActMesh, seq_len: int) -> torch.Tensor:
     return whole if x.is_floating_point() else x
 
 
+def seq_len(sg) -> int:
+    """The whole sequence length of a step or stage graph (its first model input: token ids)."""
+    return sg.input_shapes[sg.n_received][1]
+
+
+def message_shape(shape, seq: int, cp: int) -> tuple:
+    """The shape a value has between pipeline stages: one cp rank's part of the sequence when
+    dim 1 is the sequence (each rank sends and receives its own tokens' activations)."""
+    shape = tuple(shape)
+    return (shape[0], shape[1] // cp, *shape[2:]) if len(shape) >= 2 and shape[1] == seq else shape
+
+
+def received(x: torch.Tensor, am: ActMesh, shape: tuple, seq: int) -> torch.Tensor:
+    """A value the stage before sent (``message_shape``; ``shape``: its whole shape) as the
+    DTensor it stands for: this rank's part of the sequence, or whole."""
+    if len(shape) >= 2 and shape[1] == seq:
+        return DTensor.from_local(x, am.mesh, am.placements(cp=Shard(1)), run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(x, am.mesh, am.placements(), run_check=False) if x.is_floating_point() else x
+
+
+def sent(o, am: ActMesh, seq: int):
+    """A stage's output as it goes to the next stage (``message_shape``): this rank's part of
+    the sequence, whole on tp; anything else whole."""
+    if isinstance(o, torch.Tensor) and o.dim() >= 2 and o.shape[1] == seq:
+        if not isinstance(o, DTensor):
+            o = DTensor.from_local(o, am.mesh, am.placements(), run_check=False)
+        return o.redistribute(am.mesh, am.placements(cp=Shard(1))).to_local()
+    return o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local() if isinstance(o, DTensor) else o
+
+
 def _swap(x: torch.Tensor, partner: int, group) -> torch.Tensor:
     """``x`` (batch, heads, rows, dim) exchanged with rank ``partner`` of ``group`` (itself
     allowed), differentiably: the backward swaps the gradients back."""

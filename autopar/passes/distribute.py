@@ -164,9 +164,12 @@ def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh):
                               stride=_contiguous_stride(v.shape))
 
 
-def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool) -> list:
+def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool,
+           send_seq: int | None = None) -> list:
     """Run ``gm``'s nodes on ``values`` (DTensors on ``am`` where TP or CP applies),
-    redistributing as ``rules`` say; attention and the mean loss over split sequences as ``cp`` does."""
+    redistributing as ``rules`` say; attention and the mean loss over split sequences as ``cp`` does.
+    The outputs come back whole, or with ``send_seq`` (a pipeline stage's under CP) split along
+    a sequence of that length as ``cp.sent`` sends them."""
     env: dict = {}
     gathered: dict = {}
     phs = iter(values)
@@ -216,6 +219,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
             outs = torch.fx.node.map_arg(n.args[0], lambda a: arg(a, n))
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
             with fx_traceback.annotate({"pass": "tp", "why": "output gathered"}):
+                if send_seq is not None:
+                    return [cp.sent(o, am, send_seq) for o in outs]
                 return [o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local()
                         if isinstance(o, DTensor) else o for o in outs]
         args = torch.fx.node.map_arg(n.args, lambda a: arg(a, n))
@@ -270,6 +275,12 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     dp = layout.dp_size if sg.final else 1
     outs_meta = output_values(sg)
     float_out = grad_outputs(sg)
+    am = layout.act_mesh
+    seq = cp.seq_len(sg) if am is not None and am.has("cp") else None
+    send_seq = seq if seq is not None and not sg.final else None  # a stage sends its own tokens on
+
+    def out_shape(shape):
+        return cp.message_shape(shape, send_seq, am.size("cp")) if send_seq is not None else shape
 
     def read(i: int, x: torch.Tensor, consumer: torch.fx.Node) -> torch.Tensor:
         """Parameter ``i`` as the step reads it: gathered over data parallelism (recorded where
@@ -285,7 +296,6 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         elif compute is not None and x.dtype != compute:
             with fx_traceback.annotate({"pass": "mp", "source": sg.param_names[i], "param_index": i}):
                 x = x.to(compute)  # its gradient comes back in the parameter's dtype
-        am = layout.act_mesh
         if am is not None:
             # Whole on every cp rank; each rank's gradient is its tokens' partial sum, reduced
             # with the data-parallel gradients (FSDP over dp_shard x cp) instead of apart.
@@ -300,12 +310,14 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         with implicit_replication():
             vals = [Unread(functools.partial(read, i, x)) for i, x in enumerate(primals[:P])]
             rest = list(primals[P:])
-            am = layout.act_mesh
             first = P + len(sg.buffer_names)
-            if am is not None and am.has("cp"):
+            if am is not None and am.has("cp") and sg.first:
                 # The inputs and the target (everything after the buffers), split along the sequence.
-                seq = primals[first].shape[1]
                 rest = [cp.split_sequence(x, am, seq) if i >= first else x for i, x in enumerate(rest, start=P)]
+            elif am is not None and am.has("cp"):
+                # What the stage before sent: each rank's own tokens (``cp.sent``).
+                rest = [cp.received(x, am, sg.input_shapes[i - first], seq) if i >= first else x
+                        for i, x in enumerate(rest, start=P)]
             elif am is not None:
                 # Floating-point inputs (a stage's received activations, images, latents) are whole
                 # on every TP rank, as DTensors: what reads them (a patch-embedding convolution's
@@ -315,7 +327,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                         if i in inputs and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
             # Vocabulary-split logits: the cross-entropy (forward and backward) runs on the shards.
             with loss_parallel() if rules is not None and rules.vocab_split else contextlib.nullcontext():
-                outs = replay(sg.gm, vals + rest, rules, am, sp)
+                outs = replay(sg.gm, vals + rest, rules, am, sp, send_seq)
                 wrt = [primals[i] for i in wrt_index]
                 grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
                                             allow_unused=True)
@@ -329,7 +341,8 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         grads = [g if g is not None else torch.zeros_like(w) for g, w in zip(grads, wrt)]
         return [*outs, *grads]
 
-    tangents = [torch.ones(outs_meta[i].shape, dtype=outs_meta[i].dtype, device=outs_meta[i].device) for i in float_out]
+    tangents = [torch.ones(out_shape(outs_meta[i].shape), dtype=outs_meta[i].dtype, device=outs_meta[i].device)
+                for i in float_out]
     with fx_traceback.preserve_node_meta():
         traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
 

@@ -145,7 +145,7 @@ def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[Ste
                        {sg.param_names[i]: sg.aliases.get(sg.param_names[i], []) for i in used_params},
                        [sg.buffer_names[j] for j in used_bufs], len(received) + len(model_inputs), False,
                        [], [tuple(v.meta["val"].shape) for v in received + model_inputs], sg.output_type,
-                       final=s == n_stages - 1, n_received=len(received))
+                       final=s == n_stages - 1, n_received=len(received), first=s == 0)
         stages.append(st)
     return stages
 
