@@ -193,15 +193,18 @@ def _graph_key(graphs: StepGraphs) -> str:
 
 def _compile_order(graphs: StepGraphs, inductor: bool) -> tuple[bool, bool]:
     """(whether this rank compiles before the others, whether there is an order at all). With
-    several processes the first rank of each distinct set of graphs compiles while the ranks
-    with the same graphs wait, and then load Inductor's cached code (``passes/groups.py`` makes
-    the graphs of SPMD ranks the same text); ranks with graphs of their own compile in parallel."""
+    several processes, on each machine the first rank of each distinct set of graphs compiles
+    while the ranks with the same graphs wait, and then load Inductor's cached code (a machine's
+    ranks share its cache directory; ``passes/groups.py`` makes the graphs of SPMD ranks the same
+    text); ranks with graphs of their own, and other machines, compile in parallel."""
+    import socket
+
     import torch.distributed as dist
 
     if not (inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"):
         return True, False
     keys = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, _graph_key(graphs))
+    dist.all_gather_object(keys, (_graph_key(graphs), socket.gethostname()))
     rank = dist.get_rank()
     return keys.index(keys[rank]) == rank, True
 
