@@ -232,6 +232,8 @@ def collective_record(n: torch.fx.Node) -> dict:
     vals = val if isinstance(val, (list, tuple)) else [val]
     nbytes = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if isinstance(v, torch.Tensor)})
+    from autopar.passes.overlap import DP_PASS
+
     custom = n.meta.get("custom", {})
     return {"kind": kind, "group": str(group), "group_size": size, "bytes": int(nbytes), "dtype": ",".join(dtypes),
-            "pass": custom.get("pass", "?"), "source": custom.get("source", ""), "module": custom.get("module", "")}
+            "pass": custom.get("pass") or n.meta.get(DP_PASS, "?"), "source": custom.get("source", ""), "module": custom.get("module", "")}

@@ -218,7 +218,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
         if n.op == "output":
             outs = torch.fx.node.map_arg(n.args[0], lambda a: arg(a, n))
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-            with fx_traceback.annotate({"pass": "tp", "why": "output gathered"}):
+            with fx_traceback.annotate({"pass": "cp" if split_seq else "tp", "why": "output gathered"}):
                 if send_seq is not None:
                     return [cp.sent(o, am, send_seq) for o in outs]
                 return [o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local()

@@ -39,6 +39,7 @@ def register(mesh) -> None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     ranks = hashlib.sha256(str(mesh.mesh.tolist()).encode()).hexdigest()[:8]
+    named = set()  # a flattened dim of one mesh dim's size is that dim's group: named by the mesh dim
     for d in mesh_dims(mesh):
         try:
             pg = mesh.get_group(d)
@@ -47,13 +48,17 @@ def register(mesh) -> None:
         alias = f"{PREFIX}{d}:{ranks}"
         try:
             if _resolve_process_group(alias) is pg:
+                named.add(pg.group_name)
                 continue
             _unregister_process_group(alias)
         except (KeyError, RuntimeError, ValueError):
             pass
         _register_process_group(alias, pg)
-        _ALIAS[pg.group_name] = alias
-        _DIM[pg.group_name] = _DIM[alias] = d
+        _DIM[alias] = d
+        if pg.group_name not in named:
+            named.add(pg.group_name)
+            _ALIAS[pg.group_name] = alias
+            _DIM[pg.group_name] = d
 
 
 def dim_of(group_name: str) -> str | None:

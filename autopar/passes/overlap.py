@@ -35,6 +35,11 @@ _GATHER = _c10d.all_gather_into_tensor.default
 _REDUCE = {_c10d.reduce_scatter_tensor.default: "reduce_scatter", _c10d.all_reduce.default: "all_reduce"}
 
 
+# A node meta key: the data-parallel pass a gradient reduction belongs to. Not in ``custom``,
+# whose absence marks a node autograd made for the backward (``regions`` labels those by input).
+DP_PASS = "autopar_dp_pass"
+
+
 @dataclass
 class DPCollectives:
     """What ``overlap`` needs to know of a step's data-parallel collectives."""
@@ -80,7 +85,11 @@ def schedule(gm: torch.fx.GraphModule, *, param_layer: list, grad_param: list, d
     out_param = _output_params(g, grad_param)
     for kind in ("reduce_scatter", "all_reduce"):
         reduces = _buckets(g, kind, lambda n: _reduced_param(n, dp_groups, out_param), param_layer, merge)
-        _place_reduce_waits(g, [_merge_reduce(g, b) for b in reduces])
+        merged = [_merge_reduce(g, b) for b in reduces]
+        for _, tail in merged:  # for explain (``collective_record``): backward nodes carry no annotation
+            (n,) = tail[0].all_input_nodes
+            n.meta[DP_PASS] = "fsdp" if kind == "reduce_scatter" else "ddp"
+        _place_reduce_waits(g, merged)
     g.lint()
     gm.recompile()
     return gm
