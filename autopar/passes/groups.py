@@ -2,11 +2,12 @@
 
 torch names a process group by a counter, so the tensor-parallel group of ranks 0-1 and that of
 ranks 2-3 have different names, and the collectives of two SPMD ranks' graphs differ only in that
-string. Named instead by mesh dim and layout (``autopar:tp:2x2``), registered on each rank for its
-own group of that dim, the graphs of every rank of a data- or tensor-parallel plan are the same
-text: Inductor's cache key is the same, and ``backend.compile_step`` compiles them once (rank 0
-first, the others load its code). Ranks whose graphs really differ (pipeline stages, a sequence
-split's offsets, an uneven last shard) still compile their own.
+string. Named instead by mesh dim and a digest of the mesh's ranks (``autopar:tp:<digest>``),
+registered on each rank for its own group of that dim, the graphs of SPMD ranks are the same
+text: Inductor's cache key is the same, and ``backend.compile_step`` compiles them once per
+machine (the first rank with them; the others load its code). Ranks whose graphs really differ
+(TP ranks' vocabulary offsets, pipeline stages, a sequence split's offsets, an uneven last
+shard) still compile their own.
 """
 
 from __future__ import annotations
