@@ -81,3 +81,19 @@ def test_pipeline_stages_under_cp_send_each_ranks_tokens():
     d = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
     assert d["received"] == [[[1, 32, d["hidden"]], "float32", True], [[1, 32], "int64", False]], d
     assert d["priced"] == [1 * 32 * d["hidden"] * 4], d
+
+
+def test_tensor_parallel_ranks_compile_the_same_graphs():
+    """TP 2 x FSDP 2 + SP on GPT: the two TP ranks' graphs are the same text (their vocabulary
+    offsets and chunk choices read at run time, ``passes/coords.py``), so one of them compiles
+    and the other loads its code. Each rank in a process of its own, side by side."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "fake_pg_same_graphs.py")
+    procs = [subprocess.Popen([sys.executable, script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    d = [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
+    # the embedding's and the loss's masks (forward, loss backward) and the embedding gradient's chunk
+    assert d[0]["reads"] >= 3, d
+    assert d[0]["key"] == d[1]["key"], d

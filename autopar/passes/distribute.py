@@ -13,7 +13,9 @@ of an interleaved ``_StridedShard``, or its view as stacked parts), is split loc
 is then an ordinary ``Shard``.
 The gradients are taken by autograd, through DTensor, inside the same trace, so the result is
 one joint graph ``(primals, tangents) -> (outputs, gradients)`` on local tensors with every
-collective an explicit ``_c10d_functional`` op.
+collective an explicit ``_c10d_functional`` op. Where DTensor would write the rank's coordinate
+into the graph (a vocabulary shard's offset, the chunk a rank keeps), it is read at run time
+instead (``passes/coords.py``): the TP ranks' graphs are the same and compile once.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import passes
 from autopar.errors import AutoparError
 from autopar.fxops import ATTENTION_OPS, SPLIT_OPS
-from autopar.passes import GATHERED_INPUT, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
@@ -343,7 +345,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     tangents = [torch.ones(out_shape(outs_meta[i].shape), dtype=outs_meta[i].dtype, device=outs_meta[i].device)
                 for i in float_out]
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), coords.rank_free():
         traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
 
     # Functionalise (the forward may mutate fresh tensors, e.g. add_ on an arange) for the

@@ -5,9 +5,10 @@ ranks 2-3 have different names, and the collectives of two SPMD ranks' graphs di
 string. Named instead by mesh dim and a digest of the mesh's ranks (``autopar:tp:<digest>``),
 registered on each rank for its own group of that dim, the graphs of SPMD ranks are the same
 text: Inductor's cache key is the same, and ``backend.compile_step`` compiles them once per
-machine (the first rank with them; the others load its code). Ranks whose graphs really differ
-(TP ranks' vocabulary offsets, pipeline stages, a sequence split's offsets, an uneven last
-shard) still compile their own.
+machine (the first rank with them; the others load its code). A TP rank's coordinate is read
+at run time (``passes/coords.py``), so TP ranks share their graphs too; ranks whose graphs
+really differ (pipeline stages, a sequence split's offsets and swap partners under CP, an
+uneven last shard) compile their own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from autopar.passes import StepGraphs
 PREFIX = "autopar:"
 _ALIAS: dict[str, str] = {}  # torch's name of a process group -> the name the graphs use
 _DIM: dict[str, str] = {}  # either name -> the mesh dim it is the group of
+_NAMED = (*COLLECTIVES, "group_rank")  # the ops whose last argument is a group's name (coords.group_rank)
 
 
 def mesh_dims(mesh) -> list[str]:
@@ -84,7 +86,7 @@ def rank_agnostic_groups(graphs: StepGraphs, plan, ctx) -> StepGraphs:
             seen.add(id(sub))
             changed = False
             for n in sub.graph.nodes:
-                if n.op == "call_function" and op_name(n.target) in COLLECTIVES and n.args[-1] in _ALIAS:
+                if n.op == "call_function" and op_name(n.target) in _NAMED and n.args[-1] in _ALIAS:
                     n.args = (*n.args[:-1], _ALIAS[n.args[-1]])
                     changed = True
             if changed:

@@ -1,0 +1,31 @@
+"""On a fake process group of 4 ranks, GPT (vocabulary-split embedding and loss, learned
+positions, TP 2 x FSDP 2 + SP) compiled as the rank given: print the key of the graphs the rank
+hands Inductor (``backend._graph_key``, what decides who compiles) and how many ops read the
+rank at run time. Default options; the graphs are recorded where Inductor would get them."""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar import backend, models
+
+keys, reads = [], []
+compile_step = backend.compile_step
+
+
+def record(graphs, inductor):
+    keys.append(backend._graph_key(graphs))
+    reads.append(sum(g.code.count("autopar.group_rank") for g in (graphs.fw, graphs.bw)))
+    return compile_step(graphs, False)  # the eager step: this test is about the graphs, not Inductor
+
+
+backend.compile_step = record
+dist.init_process_group("fake", store=FakeStore(), rank=int(sys.argv[1]), world_size=4)
+torch.manual_seed(0)
+model = models.GPT(models.PRESETS["gpt-tiny"])
+ids = torch.randint(0, model.config.vocab_size, (8, 32))
+autopar.compile(model, 4, example_inputs=(ids,), example_target=ids, plan={"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1})
+print(json.dumps({"key": keys[0], "reads": reads[0]}))
