@@ -73,16 +73,17 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     # Routed experts under TP with selective AC (backend.compile_graph: no second rematerialisation).
     case("hf-mixtral", "ac_selective_tp2_fsdp2_sp", PLANS["ac_selective_tp2_fsdp2_sp"]),
     # Beyond decoders: encoders with a tied masked-LM head (ModernBERT: stacked q, k, v; local and
-    # global attention layers) and encoder-decoders (two kinds of layers, cut across by the pipeline),
-    # beside their TP 2 x FSDP 2 + SP cases above (the planner's own choice: ModernBERT's and mT5's).
-    *[case(m, "auto", "auto") for m in ("hf-modernbert", "hf-mt5")],
-    *[case(m, "pp2_ddp2", PP4["pp2_ddp2"]) for m in ("hf-roberta", "hf-modernbert", "hf-bart", "hf-mt5")],
-    # Images in, class labels out (a patch-embedding convolution, class tokens, a 10-way head).
-    case("hf-deit", "auto", "auto"), case("hf-deit", "pp2_ddp2", PP4["pp2_ddp2"]),
-    # Swin: stages of different widths (a kind of layer each) cut by the pipeline, shifted windows.
-    case("hf-swin", "pp2_ddp2", PP4["pp2_ddp2"]),
-    # Latents, timesteps and class labels in, the noise MSE out (diffusers' DiT, adaptive layer norm).
-    case("diffusers-dit", "auto", "auto"), case("diffusers-dit", "pp2_ddp2", PP4["pp2_ddp2"])]
+    # global attention layers) and encoder-decoders, beside their TP 2 x FSDP 2 + SP cases above
+    # (the planner's own choice: ModernBERT's and mT5's); images in, class labels out (DeiT: a
+    # patch-embedding convolution, class tokens, a 10-way head); latents, timesteps and class
+    # labels in, the noise MSE out (diffusers' DiT, adaptive layer norm).
+    *[case(m, "auto", "auto") for m in ("hf-modernbert", "hf-mt5", "hf-deit", "diffusers-dit")]]
+# The same families cut into two pipeline stages (two kinds of layers for the encoder-decoders;
+# Swin's stages of different widths, shifted windows), on 2 processes: the stages' graphs are
+# what differs by family (data parallelism over the stages is the reference Llama's, CI_PP4).
+PP2_GPIPE = {"pp": 2, "dp": 1, "tp": 1, "schedule": "gpipe", "mb": 2}
+CI_PP2_HF = [case(m, "pp2_gpipe", PP2_GPIPE) for m in ("hf-roberta", "hf-modernbert", "hf-bart", "hf-mt5", "hf-deit",
+                                                        "hf-swin", "diffusers-dit")]
 CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     case("hf-llama", "pp2_ddp2", PP4["pp2_ddp2"]),
     # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).
@@ -154,8 +155,9 @@ CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
     # Pipeline stages that send each cp rank's own tokens to the next (cp.sent, cp.received).
     case("hf-llama", "pp2_cp2", {"pp": 2, "cp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 2}, seq=128)]
 LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
-            "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2), "mixed": (4, CI_MIXED), "cp": (4, CI_CP)}
-MATRIX = {"models_a", "models_b"}
+            "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
+            "mixed": (4, CI_MIXED), "cp": (4, CI_CP)}
+MATRIX = {"models_a", "models_b", "models_pp"}
 _results: dict = {}
 
 
@@ -168,7 +170,7 @@ def _launch(name: str) -> dict:
 
 # Each xdist group runs on one worker, so each launch runs once; two launches at a time.
 GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans": "parity-b", "pp4": "parity-c", "pp2": "parity-c",
-         "mixed": "parity-a", "cp": "parity-d"}
+         "mixed": "parity-a", "cp": "parity-d", "models_pp": "parity-e"}
 
 
 @pytest.mark.slow
