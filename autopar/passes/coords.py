@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import placement_types
 from torch.distributed.tensor.placement_types import Shard, _MaskPartial, _StridedShard
 
-_DEVICE_COORDS: dict = {}  # (group name, device) -> the rank as a 0-d int64 tensor on that device
+_DEVICE_COORDS: dict = {}  # (rank, device) -> that rank as a 0-d int64 tensor on that device
 
 
 @torch.library.custom_op("autopar::group_rank", mutates_args=())
@@ -32,12 +32,12 @@ def group_rank(like: torch.Tensor, group_name: str) -> torch.Tensor:
     device. ``like`` only places it (and keeps it a step input's dependant: never folded into a
     constant by the compiler); the group name is last, as a collective's, so ``passes/groups.py``
     renames it with theirs."""
-    key = (group_name, like.device)
-    if key not in _DEVICE_COORDS:  # made once: a host-to-device copy every step would sync
-        from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-        _DEVICE_COORDS[key] = torch.tensor(_resolve_process_group(group_name).rank(), dtype=torch.int64,
-                                           device=like.device)
+    rank = _resolve_process_group(group_name).rank()
+    key = (rank, like.device)
+    if key not in _DEVICE_COORDS:  # made once per device: a host-to-device copy every step would sync
+        _DEVICE_COORDS[key] = torch.tensor(rank, dtype=torch.int64, device=like.device)
     return _DEVICE_COORDS[key].clone()  # a fresh buffer: the compiled step may write into its outputs
 
 
