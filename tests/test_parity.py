@@ -57,10 +57,13 @@ def case(model: str, plan_name: str, plan, **kw) -> dict:
 
 
 # Qwen2-MoE trains under FSDP 4 with the HF plans (CI_PLANS_HF); Mixtral covers routed experts under TP there.
-# Every family under TP 2 x FSDP 2 + SP, and the HF plans below: the ``matrix`` marker (``make
+# Every family under TP 2 + SP on 2 processes (what differs by family is how its operators split
+# over TP; FSDP x TP on 4 is the reference Llama's, HF Llama's and Mixtral's below, and every
+# family's in ``make parity``), and the HF plans below: the ``matrix`` marker (``make
 # test-matrix``, which CI runs after ``make test``), in launches that run side by side.
-CI_MODELS = [case(m, "tp2_fsdp2_sp", TP2_FSDP2_SP, steps=2, user_loop=(m in ("hf-llama", "hf-deit"))) for m in MODELS
-             if m not in ("hf-qwen2-moe", "llama-tiny")]  # the reference Llama's is in CI_PLANS
+TP2_SP = {"tp": 2, "sp": 1, "pp": 1}
+CI_MODELS = [case(m, "tp2_sp", TP2_SP, steps=2, user_loop=(m in ("hf-llama", "hf-deit"))) for m in MODELS
+             if m not in ("hf-qwen2-moe", "llama-tiny")]  # the reference Llama's plans are in CI_PLANS
 # Every plan on the reference Llama; on HF Llama the plans whose graphs differ most from the
 # TP2xFSDP2+SP case above (``make parity`` runs every plan on every model).
 CI_PLANS = [case("llama-tiny", n, p, clip=(n in ("ddp4", "tp4_sp", "tp2_fsdp2_sp")), user_loop=(n == "tp4_sp"))
@@ -154,10 +157,10 @@ CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
     case(m, "cp2_fsdp2", CP["cp2_fsdp2"]) for m in ("gpt-tiny", "hf-qwen2")] + [
     # Pipeline stages that send each cp rank's own tokens to the next (cp.sent, cp.received).
     case("hf-llama", "pp2_cp2", {"pp": 2, "cp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 2}, seq=128)]
-LAUNCHES = {"models_a": (4, CI_MODELS[0::2] + CI_PLANS_HF[0::2]), "models_b": (4, CI_MODELS[1::2] + CI_PLANS_HF[1::2]),
+LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), "models_hf": (4, CI_PLANS_HF),
             "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
             "mixed": (4, CI_MIXED), "cp": (4, CI_CP)}
-MATRIX = {"models_a", "models_b", "models_pp"}
+MATRIX = {"models_a", "models_b", "models_hf", "models_pp"}
 _results: dict = {}
 
 
@@ -170,7 +173,7 @@ def _launch(name: str) -> dict:
 
 # Each xdist group runs on one worker, so each launch runs once; two launches at a time.
 GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans": "parity-b", "pp4": "parity-c", "pp2": "parity-c",
-         "mixed": "parity-a", "cp": "parity-d", "models_pp": "parity-e"}
+         "mixed": "parity-a", "cp": "parity-d", "models_hf": "parity-e", "models_pp": "parity-f"}
 
 
 @pytest.mark.slow

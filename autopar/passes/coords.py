@@ -73,7 +73,7 @@ def _mask_partition(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Te
 def _chunk(x: torch.Tensor, dim: int, mesh, mesh_dim: int, coordinate, pieces: int = 1) -> torch.Tensor | None:
     """Chunk ``coordinate`` of ``x`` split evenly over ``mesh_dim`` on ``dim`` (of each of
     ``pieces`` equal parts, concatenated: a ``_StridedShard``), chosen at run time: ``x`` viewed as
-    (pieces, chunks, chunk) on the dim, the rank's chunk selected. None where not even."""
+    (pieces, chunks, chunk) on the dim, the rank's chunk kept. None where not even."""
     n = mesh.size(mesh_dim)
     if x.dim() == 0 or x.shape[dim % x.dim()] % (n * pieces):
         return None
@@ -82,8 +82,14 @@ def _chunk(x: torch.Tensor, dim: int, mesh, mesh_dim: int, coordinate, pieces: i
         return None
     d = dim % x.dim()
     size = x.shape[d]
-    parts = x.unflatten(d, (pieces, n, size // (n * pieces))).index_select(d + 1, r.view(1))
-    return parts.flatten(d, d + 2)
+    # Kept by a mask and summed over the chunks (one of them nonzero: exact), not by an
+    # index_select with the rank as index: Inductor miscompiled that on BART's embedding gradient
+    # (wrong values where eager was exact). It reads the whole value once, as its producer wrote it.
+    parts = x.unflatten(d, (pieces, n, size // (n * pieces)))
+    keep = (torch.arange(n, device=x.device) == r).view([n] + [1] * (parts.dim() - d - 2))
+    kept = torch.where(keep, parts, parts.new_zeros(()))
+    out = kept.any(d + 1) if x.dtype == torch.bool else kept.sum(d + 1, dtype=x.dtype)
+    return out.flatten(d, d + 1)
 
 
 def _replicate_to_shard(self, local_tensor: torch.Tensor, mesh, mesh_dim: int, shard_index) -> torch.Tensor:
