@@ -1,4 +1,4 @@
-"""On one GPU: is what runs what the cost model priced? Three stages, each its own process (one
+"""On one GPU: is what runs what the cost model priced? Stages, each its own process (one
 that fails or hangs leaves the others' results), written to bench/results/gpu_fidelity.{json,md}:
 
 - ``calibrate``: the microbenchmarks ``autopar tune calibrate`` fits a profile from (bf16 matmul,
@@ -7,8 +7,8 @@ that fails or hangs leaves the others' results), written to bench/results/gpu_fi
   against ``torch.compile`` of the whole model under ``torch.autocast`` (what a user writes for one
   GPU), the same model and batch in the same process: time to the first step, step time (median),
   the allocator's peak over a step; and the planner's predicted step time and memory for it.
-- ``rank``: one rank of Llama-3-8B (real width, vocabulary and 8,192-token sequences, 4 layers) under
-  FSDP over 64 GPUs, bf16-mixed, on PyTorch's fake process group (collectives allocate their
+- ``rank``, ``rank_tp``: one rank of Llama-3-8B (real width, vocabulary and 8,192-token sequences,
+  4 layers) under FSDP over 64 GPUs (``rank_tp``: TP 8 + SP x FSDP 8), bf16-mixed, on PyTorch's fake process group (collectives allocate their
   outputs and move nothing: the rank's memory and compute are real, its communication is not):
   the allocator's peak of one step against the liveness walk of the graphs that ran and the cost
   model's prediction, and the step's compute time against the predicted compute time.
@@ -138,7 +138,10 @@ def _measure(fn, args: tuple, kwargs: dict, params, t0: float, small: bool) -> d
     return {"first_step_s": first, "step_s": t, "peak_mib": peak}
 
 
-def stage_rank(small: bool) -> dict:
+def stage_rank(small: bool, tp: int = 1) -> dict:
+    """One rank of a 64-rank plan on the fake process group: FSDP 64, or (``tp`` > 1) TP + SP
+    within ``tp`` ranks x FSDP over the rest (each TP rank reads its coordinate at run time:
+    ``passes/coords.py``)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -153,18 +156,20 @@ def stage_rank(small: bool) -> dict:
     cfg = dataclasses.replace(base, n_layers=2 if small else 4, max_seq_len=64 if small else base.max_seq_len)
     dev = _device()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
+    tp = min(tp, 2) if small else tp
+    dp = world // tp
     with torch.device("meta"):
         model = models.Llama(cfg)
     model = model.to_empty(device=dev)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    ids = torch.randint(0, cfg.vocab_size, (world, cfg.max_seq_len), generator=torch.Generator().manual_seed(0)).to(dev)
-    plan = {"dp": world, "fsdp": 1, "pp": 1, "tp": 1, "ac": "none", "mb": 1}
+    ids = torch.randint(0, cfg.vocab_size, (dp, cfg.max_seq_len), generator=torch.Generator().manual_seed(0)).to(dev)
+    plan = {"dp": dp, "fsdp": 1, "pp": 1, "tp": tp, "sp": int(tp > 1), "ac": "none", "mb": 1}
+    mesh = init_device_mesh(dev.type, (dp, tp) if tp > 1 else (dp,), mesh_dim_names=("dp", "tp") if tp > 1 else ("dp",))
     t0 = time.perf_counter()
     pm = autopar.compile(model, mesh, example_inputs=(ids,), plan=plan, mp_policy="bf16-mixed", hardware="h100",
-                         global_batch=world)
+                         global_batch=dp)
     t1 = time.perf_counter()
     pm.step(ids, target=ids)
     _sync()
@@ -185,6 +190,9 @@ def stage_rank(small: bool) -> dict:
            "param_shards_mib": held, "predicted_step_memory_mib": (mb["unsharded_params"] + mb["activations"]) * 1024,
            "predicted_breakdown_gb": mb, "predicted_compute_s": pred["breakdown"]["compute"],
            "predicted_step_s": pred["step_time_s"]}
+    compiled = pm._step_runner.compiled
+    # the places a TP rank reads its coordinate at run time instead of a constant of rank 0's
+    out["run_time_rank_reads"] = sum(g.code.count("autopar.group_rank") for g in (compiled.fw_graph, compiled.bw_graph))
     out["allocator_over_walk"] = alloc / walk
     out["allocator_over_predicted"] = alloc / out["predicted_step_memory_mib"]
     out["step_over_predicted_compute"] = step / out["predicted_compute_s"]
@@ -235,7 +243,8 @@ def stage_startup(how: str, layers: int, small: bool) -> dict:
     return out
 
 
-STAGES = {"calibrate": stage_calibrate, "single": stage_single, "rank": stage_rank}
+STAGES = {"calibrate": stage_calibrate, "single": stage_single, "rank": stage_rank,
+          "rank_tp": functools.partial(stage_rank, tp=8)}
 STAGES.update({f"start_{how}_{n}": functools.partial(stage_startup, how, n)
                for n in (8, 32) for how in ("autopar", "block", "flat")})
 
