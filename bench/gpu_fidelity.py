@@ -138,7 +138,7 @@ def _measure(fn, args: tuple, kwargs: dict, params, t0: float, small: bool) -> d
     return {"first_step_s": first, "step_s": t, "peak_mib": peak}
 
 
-def stage_rank(small: bool, tp: int = 1) -> dict:
+def stage_rank(small: bool, tp: int = 1, regions: bool = True) -> dict:
     """One rank of a 64-rank plan on the fake process group: FSDP 64, or (``tp`` > 1) TP + SP
     within ``tp`` ranks x FSDP over the rest (each TP rank reads its coordinate at run time:
     ``passes/coords.py``)."""
@@ -169,7 +169,7 @@ def stage_rank(small: bool, tp: int = 1) -> dict:
     mesh = init_device_mesh(dev.type, (dp, tp) if tp > 1 else (dp,), mesh_dim_names=("dp", "tp") if tp > 1 else ("dp",))
     t0 = time.perf_counter()
     pm = autopar.compile(model, mesh, example_inputs=(ids,), plan=plan, mp_policy="bf16-mixed", hardware="h100",
-                         global_batch=dp)
+                         global_batch=dp, disable_passes=() if regions else ("regions",))
     t1 = time.perf_counter()
     pm.step(ids, target=ids)
     _sync()
@@ -244,7 +244,7 @@ def stage_startup(how: str, layers: int, small: bool) -> dict:
 
 
 STAGES = {"calibrate": stage_calibrate, "single": stage_single, "rank": stage_rank,
-          "rank_tp": functools.partial(stage_rank, tp=8)}
+          "rank_tp": functools.partial(stage_rank, tp=8), "rank_flat": functools.partial(stage_rank, regions=False)}
 STAGES.update({f"start_{how}_{n}": functools.partial(stage_startup, how, n)
                for n in (8, 32) for how in ("autopar", "block", "flat")})
 

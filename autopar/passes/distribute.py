@@ -302,10 +302,11 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
             # Whole on every cp rank; each rank's gradient is its tokens' partial sum, reduced
             # with the data-parallel gradients (FSDP over dp_shard x cp) instead of apart.
             tp_pl = layout.tp.get(i, Replicate())
-            grad = am.placements(tp=tp_pl, cp=Partial()) if am.has("cp") else None
+            # (``grad_placements`` only where cp needs it: torch before 2.13 has no such argument)
+            grad = {"grad_placements": am.placements(tp=tp_pl, cp=Partial())} if am.has("cp") else {}
             x = DTensor.from_local(x, am.mesh, am.placements(tp=tp_pl), run_check=False,
                                    shape=torch.Size(layout.shapes[i]),
-                                   stride=torch.empty(layout.shapes[i], device="meta").stride(), grad_placements=grad)
+                                   stride=torch.empty(layout.shapes[i], device="meta").stride(), **grad)
         return x
 
     def joint(primals, tangents):
