@@ -101,3 +101,9 @@ def unique_parameters(model: nn.Module, skip: tuple[str, ...] = ()) -> tuple[lis
         names.append(name)
         params.append(p)
     return names, params, aliases
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as the additive float mask fused attention kernels
+    take: 0 where attended, -inf elsewhere."""
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))

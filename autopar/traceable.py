@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.errors import TraceError
+from autopar.fxops import additive_mask
 
 
 def data_dependent(e: BaseException) -> bool:
@@ -373,7 +374,7 @@ def _fused_attention(*args, **kwargs) -> torch.Tensor | None:
     elif dv > q.shape[-1]:
         return None
     if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        mask = additive_mask(mask, q.dtype)
     elif mask is not None:
         mask = mask.to(q.dtype)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

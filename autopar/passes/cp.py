@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.operator_schemas import normalize_function
 
+from autopar.fxops import additive_mask
+
 _aten = torch.ops.aten
 
 
@@ -222,7 +224,7 @@ def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor
     scale, dropout = a.get("scale"), a.get("dropout_p", 0.0)
     if target == _aten._scaled_dot_product_flash_attention_for_cpu.default:
         if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros((), dtype=ql.dtype, device=ql.device).masked_fill(~mask, float("-inf"))
+            mask = additive_mask(mask, ql.dtype)
         out = target(qb, kl, vl, dropout, False, attn_mask=mask, scale=scale)[0]
     else:
         out = F.scaled_dot_product_attention(qb, kl, vl, attn_mask=mask, dropout_p=dropout, scale=scale,
