@@ -1,9 +1,10 @@
 """A rank's place in its groups, read at run time instead of written into the graph.
 
 Tracing on rank r, DTensor turns the rank's coordinate on a mesh dim into constants of the
-graph: a vocabulary-split embedding (and the cross-entropy over split logits) masks the token ids
-outside ``[r * V/tp, (r + 1) * V/tp)`` and subtracts ``r * V/tp``; a whole value that becomes a
-shard (an embedding's gradient) is cut to chunk ``r``. The TP ranks' graphs then differ in those
+graph: the cross-entropy over vocabulary-split logits masks the targets outside
+``[r * V/tp, (r + 1) * V/tp)`` and subtracts ``r * V/tp`` (so would a vocabulary-split embedding,
+which ``distribute`` runs on the rank's own rows with the offset from ``run_time_rank``); a whole
+value that becomes a shard (a bias added to split logits) is cut to chunk ``r``. The TP ranks' graphs then differ in those
 numbers only, and each rank compiles its own. Inside ``rank_free()`` both read the coordinate
 from ``autopar::group_rank`` (the rank in the mesh dim's process group, a 0-d tensor made at run
 time) instead, so the graphs of all ranks of a group are the same text and compile once
@@ -46,7 +47,7 @@ def _(like: torch.Tensor, group_name: str) -> torch.Tensor:
     return like.new_empty((), dtype=torch.int64)
 
 
-def _rank(like: torch.Tensor, mesh, mesh_dim: int, coordinate) -> torch.Tensor | None:
+def run_time_rank(like: torch.Tensor, mesh, mesh_dim: int, coordinate) -> torch.Tensor | None:
     """The coordinate on ``mesh_dim`` as ``group_rank``, or None where the group's rank is not it."""
     if not isinstance(coordinate, int):
         return None
@@ -61,7 +62,7 @@ def _mask_partition(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Te
     shard) with the shard's offset read at run time."""
     n = mesh.size(mesh_dim)
     rows = self.offset_shape[self.offset_dim]
-    r = _rank(tensor, mesh, mesh_dim, mesh._sym_get_coordinate(mesh_dim)) if rows % n == 0 else None
+    r = run_time_rank(tensor, mesh, mesh_dim, mesh._sym_get_coordinate(mesh_dim)) if rows % n == 0 else None
     if r is None:
         return _ORIGINAL["mask"](self, tensor, mesh, mesh_dim)
     start = r * (rows // n)
@@ -77,7 +78,7 @@ def _chunk(x: torch.Tensor, dim: int, mesh, mesh_dim: int, coordinate, pieces: i
     n = mesh.size(mesh_dim)
     if x.dim() == 0 or x.shape[dim % x.dim()] % (n * pieces):
         return None
-    r = _rank(x, mesh, mesh_dim, coordinate)
+    r = run_time_rank(x, mesh, mesh_dim, coordinate)
     if r is None:
         return None
     d = dim % x.dim()

@@ -166,6 +166,59 @@ def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh):
                               stride=_contiguous_stride(v.shape))
 
 
+class _VocabRows(torch.autograd.Function):
+    """An embedding lookup on one TP rank's rows ``[start, start + rows)`` of a table split along
+    the vocabulary (Megatron-LM's vocabulary-parallel embedding): ids outside them read row 0
+    and give zeros (the TP ranks' outputs sum to the lookup); the backward scatters the gradient
+    of this rank's ids into its own rows only. DTensor's op makes the whole table's gradient on
+    every rank and then keeps a chunk of it: tp times the memory and the scatter's work."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, start, padding_idx):
+        rows = weight.shape[0]
+        local = ids - start
+        outside = (local < 0) | (local >= rows)
+        local = local.masked_fill(outside, 0)
+        out = _aten.embedding.default(weight, local).masked_fill(outside.unsqueeze(-1), 0)
+        # the rows that get no gradient: other ranks' ids, and the padding id (as ``padding_idx``)
+        ctx.save_for_backward(local, outside if padding_idx < 0 else outside | (ids == padding_idx))
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, skip = ctx.saved_tensors
+        grad = grad.masked_fill(skip.unsqueeze(-1), 0)
+        return _aten.embedding_dense_backward.default(grad, local, ctx.rows, -1, False), None, None, None
+
+
+def _vocab_embedding(args: tuple, kwargs: dict, am: ActMesh) -> DTensor | None:
+    """``aten.embedding`` of a table split evenly along the vocabulary over tp (``_VocabRows``),
+    its output partial over tp (summed where it becomes the residual stream); None where the
+    table is split otherwise or the call scales gradients by frequency or is sparse."""
+    a = dict(zip(("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"), args), **kwargs)
+    w, ids = a["weight"], a["indices"]
+    n = am.size("tp")
+    if (a.get("scale_grad_by_freq") or a.get("sparse") or not isinstance(w, DTensor) or am.tp_of(w) != Shard(0)
+            or w.shape[0] % n or any(not p.is_replicate() for d, p in zip(am.names, w.placements) if d != "tp")):
+        return None
+    dim = am.names.index("tp")
+    rows = w.shape[0] // n
+    ids_local = ids.to_local() if isinstance(ids, DTensor) else ids
+    coordinate = am.mesh.get_coordinate()[dim]
+    r = coords.run_time_rank(ids_local, am.mesh, dim, coordinate)
+    start = r * rows if r is not None else coordinate * rows
+    # Each cp rank looks up its own tokens: its gradient of the table is a partial sum over cp.
+    cp_split = isinstance(ids, DTensor) and am.has("cp") and not ids.placements[am.names.index("cp")].is_replicate()
+    grad = am.placements(tp=Shard(0), cp=Partial()) if cp_split else None
+    pad = a.get("padding_idx")
+    out = _VocabRows.apply(w.to_local(grad_placements=grad), ids_local, start, -1 if pad is None else int(pad))
+    placements = am.with_tp(ids, Partial()) if isinstance(ids, DTensor) else am.placements(tp=Partial())
+    shape = torch.Size((*ids.shape, w.shape[1]))
+    return DTensor.from_local(out, am.mesh, placements, run_check=False, shape=shape,
+                              stride=_contiguous_stride(shape))
+
+
 def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool,
            send_seq: int | None = None) -> list:
     """Run ``gm``'s nodes on ``values`` (DTensors on ``am`` where TP or CP applies),
@@ -239,7 +292,9 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
             elif split_seq and n.target == _aten._log_softmax.default:
                 out = cp.rowwise(n.target, args, kwargs, am)
             elif rules is not None and args and isinstance(args[0], DTensor):
-                if n.target in SPLIT_OPS:
+                if n.target == _aten.embedding.default:
+                    out = _vocab_embedding(args, kwargs, am)
+                elif n.target in SPLIT_OPS:
                     out = _local_split(args[0], n, args, am)
                 elif n.target == _aten.slice.Tensor:
                     out = _local_slice(args[0], n, args, am)
