@@ -199,7 +199,10 @@ def _vocab_embedding(args: tuple, kwargs: dict, am: ActMesh) -> DTensor | None:
     a = dict(zip(("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"), args), **kwargs)
     w, ids = a["weight"], a["indices"]
     n = am.size("tp")
-    if (a.get("scale_grad_by_freq") or a.get("sparse") or not isinstance(w, DTensor) or am.tp_of(w) != Shard(0)
+    # The output's gradient must reach each rank whole: ``from_local`` of a partial value hands
+    # it on as Replicate where torch normalises gradient placements (2.13 does); before, it
+    # divided it over the ranks (then DTensor's own op runs).
+    if (not hasattr(torch.distributed.tensor._api, "_normalize_placements_for_grad") or a.get("scale_grad_by_freq") or a.get("sparse") or not isinstance(w, DTensor) or am.tp_of(w) != Shard(0)
             or w.shape[0] % n or any(not p.is_replicate() for d, p in zip(am.names, w.placements) if d != "tp")):
         return None
     dim = am.names.index("tp")
