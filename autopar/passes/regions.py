@@ -236,7 +236,20 @@ def _source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     ins = n.all_input_nodes
     if len(ins) != 1 or not (is_view(n.target) or n.target.overloadpacket.__name__ in _PASS_THROUGH):
         return None
+    if n.target.overloadpacket.__name__ in _CASTS and _dtype(n) != _dtype(ins[0]):
+        # A cast to another dtype writes a buffer of its own: handing out its input instead
+        # would return (and hold, until the outer graph casts it) the wider value, e.g. the
+        # fp32 rotary query saved for the backward in bf16.
+        return None
     return ins[0], [n]
+
+
+_CASTS = {"_to_copy", "convert_element_type"}
+
+
+def _dtype(n: fx.Node):
+    v = n.meta.get("val")
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def _fresh_outputs(seg: list[fx.Node], outs: set[int]) -> tuple[list[int], list[list[int]]]:
