@@ -215,6 +215,16 @@ def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
     assert ex["step_peak"] == pytest.approx(predicted, rel=0.10), (ex["per_layer"], pred)
 
 
+def _allocated_and_walked(pm, ids) -> tuple[float, int]:
+    """After a first step: the allocator's peak over one more (bytes, gradients freed before it)
+    and the liveness walk's peak of the compiled step."""
+    step = lambda: pm.step(ids, target=ids)  # noqa: E731
+    step()
+    for p in pm.parameters():
+        p.grad = None
+    return memory.allocator_peaks(step)[1] * 2**20, memory.step_peak(pm).peak_bytes
+
+
 # (precision, reshard after forward, lowest measured/walked). Resharded, the peak is at the first
 # layer's backward, where the walk keeps the regather's input (the concatenated shards, 0.69 MiB)
 # until the gather's wait, as a real transport holds it; the fake group's gather is done at once
@@ -236,16 +246,10 @@ def test_compiled_step_allocates_what_its_graphs_hold(fake_group, mp, reshard, l
     ids = torch.randint(0, 1024, (8, 16))
     pm = autopar.compile(model, WORLD, example_inputs=(ids,), plan={**FSDP, "mb": 2, "reshard": reshard}, mp_policy=mp,
                          disable_passes=() if regions else ("regions",))
-    step = lambda: pm.step(ids, target=ids)  # noqa: E731
-    step()
-    for p in pm.parameters():
-        p.grad = None
-    measured = memory.allocator_peaks(step)[1] * 2**20
-    walked = memory.step_peak(pm).peak_bytes
+    measured, walked = _allocated_and_walked(pm, ids)
     assert lowest * walked <= measured <= 1.03 * walked, (measured / 2**20, walked / 2**20)
     if mp:
         assert memory.step_liveness(pm._step_runner.compiled, fused=False).peak_bytes > 1.1 * walked
-
 
 
 def test_layer_calls_hand_out_casts_not_their_wider_inputs(fake_group):
@@ -263,12 +267,7 @@ def test_layer_calls_hand_out_casts_not_their_wider_inputs(fake_group):
     pm = autopar.compile(model, WORLD, example_inputs=(ids,), mp_policy="bf16-mixed", global_batch=WORLD,
                          plan={**FSDP, "reshard": 0, "mb": 1})
     assert pm.info.notes.get("regions"), "the layers run as calls"
-    step = lambda: pm.step(ids, target=ids)  # noqa: E731
-    step()
-    for p in pm.parameters():
-        p.grad = None
-    measured = memory.allocator_peaks(step)[1] * 2**20
-    walked = memory.step_peak(pm).peak_bytes
+    measured, walked = _allocated_and_walked(pm, ids)
     assert 0.97 * walked <= measured <= 1.03 * walked, (measured / 2**20, walked / 2**20)
 
 def test_tensor_parallel_step_allocates_what_its_graphs_hold(fake_group):
@@ -284,10 +283,5 @@ def test_tensor_parallel_step_allocates_what_its_graphs_hold(fake_group):
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
     pm = autopar.compile(model, WORLD, example_inputs=(ids,), mp_policy="bf16-mixed", global_batch=2,
                          plan={"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1, "ac": "none", "mb": 1})
-    step = lambda: pm.step(ids, target=ids)  # noqa: E731
-    step()
-    for p in pm.parameters():
-        p.grad = None
-    measured = memory.allocator_peaks(step)[1] * 2**20
-    walked = memory.step_peak(pm).peak_bytes
+    measured, walked = _allocated_and_walked(pm, ids)
     assert 0.97 * walked <= measured <= 1.03 * walked, (measured / 2**20, walked / 2**20)
