@@ -7,9 +7,11 @@ that fails or hangs leaves the others' results), written to bench/results/gpu_fi
   against ``torch.compile`` of the whole model under ``torch.autocast`` (what a user writes for one
   GPU), the same model and batch in the same process: time to the first step, step time (median),
   the allocator's peak over a step; and the planner's predicted step time and memory for it.
-- ``rank``, ``rank_tp``: one rank of Llama-3-8B (real width, vocabulary and 8,192-token sequences,
-  4 layers) under FSDP over 64 GPUs (``rank_tp``: TP 8 + SP x FSDP 8), bf16-mixed, on PyTorch's fake process group (collectives allocate their
-  outputs and move nothing: the rank's memory and compute are real, its communication is not):
+- ``rank``, ``rank_tp``, ``rank_flat``: one rank of Llama-3-8B (real width, vocabulary and
+  8,192-token sequences, 4 layers) under FSDP over 64 GPUs (``rank_tp``: TP 8 + SP x FSDP 8;
+  ``rank_flat``: every layer inline), bf16-mixed, on PyTorch's fake process group (collectives
+  allocate their outputs and move nothing: the rank's memory and compute are real, its
+  communication is not):
   the allocator's peak of one step against the liveness walk of the graphs that ran and the cost
   model's prediction, and the step's compute time against the predicted compute time.
 

@@ -270,6 +270,7 @@ def test_layer_calls_hand_out_casts_not_their_wider_inputs(fake_group):
     measured, walked = _allocated_and_walked(pm, ids)
     assert 0.97 * walked <= measured <= 1.03 * walked, (measured / 2**20, walked / 2**20)
 
+
 def test_tensor_parallel_step_allocates_what_its_graphs_hold(fake_group):
     """TP 2 + SP x FSDP 2 in bf16-mixed: the vocabulary-split embedding's backward writes only the
     rank's rows of the table's gradient (``distribute._VocabRows``). DTensor's own op made the

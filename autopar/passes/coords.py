@@ -4,8 +4,8 @@ Tracing on rank r, DTensor turns the rank's coordinate on a mesh dim into consta
 graph: the cross-entropy over vocabulary-split logits masks the targets outside
 ``[r * V/tp, (r + 1) * V/tp)`` and subtracts ``r * V/tp`` (so would a vocabulary-split embedding,
 which ``distribute`` runs on the rank's own rows with the offset from ``run_time_rank``); a whole
-value that becomes a shard (a bias added to split logits) is cut to chunk ``r``. The TP ranks' graphs then differ in those
-numbers only, and each rank compiles its own. Inside ``rank_free()`` both read the coordinate
+value that becomes a shard (a bias added to split logits) is cut to chunk ``r``. The TP ranks'
+graphs then differ in those numbers only, and each rank compiles its own. Inside ``rank_free()`` both read the coordinate
 from ``autopar::group_rank`` (the rank in the mesh dim's process group, a 0-d tensor made at run
 time) instead, so the graphs of all ranks of a group are the same text and compile once
 (``backend.compile_step``).
@@ -65,10 +65,17 @@ def _mask_partition(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Te
     r = run_time_rank(tensor, mesh, mesh_dim, mesh._sym_get_coordinate(mesh_dim)) if rows % n == 0 else None
     if r is None:
         return _ORIGINAL["mask"](self, tensor, mesh, mesh_dim)
-    start = r * (rows // n)
-    mask = (tensor < start) | (tensor >= start + rows // n)
+    local, mask = own_rows(tensor, r * (rows // n), rows // n)
     self.mask_buffer.materialize_mask(mask)
-    return (tensor - start).masked_fill(mask, 0)
+    return local
+
+
+def own_rows(ids: torch.Tensor, start, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids into a table's rows ``[start, start + rows)`` (``start`` a number or a run-time
+    tensor) as indices into those rows, with the ids outside them (mask True) read as row 0."""
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    return local.masked_fill(outside, 0), outside
 
 
 def _chunk(x: torch.Tensor, dim: int, mesh, mesh_dim: int, coordinate, pieces: int = 1) -> torch.Tensor | None:

@@ -166,6 +166,12 @@ def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh):
                               stride=_contiguous_stride(v.shape))
 
 
+# ``_vocab_embedding``'s output is partial over tp, and its gradient must reach each rank whole:
+# ``from_local`` hands a partial value's gradient on as Replicate where torch normalises gradient
+# placements (2.13 does); before, it divided it over the ranks (then DTensor's own op runs).
+_PARTIAL_GRAD_WHOLE = hasattr(torch.distributed.tensor._api, "_normalize_placements_for_grad")
+
+
 class _VocabRows(torch.autograd.Function):
     """An embedding lookup on one TP rank's rows ``[start, start + rows)`` of a table split along
     the vocabulary (Megatron-LM's vocabulary-parallel embedding): ids outside them read row 0
@@ -176,9 +182,7 @@ class _VocabRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, start, padding_idx):
         rows = weight.shape[0]
-        local = ids - start
-        outside = (local < 0) | (local >= rows)
-        local = local.masked_fill(outside, 0)
+        local, outside = coords.own_rows(ids, start, rows)
         out = _aten.embedding.default(weight, local).masked_fill(outside.unsqueeze(-1), 0)
         # the rows that get no gradient: other ranks' ids, and the padding id (as ``padding_idx``)
         ctx.save_for_backward(local, outside if padding_idx < 0 else outside | (ids == padding_idx))
@@ -198,19 +202,17 @@ def _vocab_embedding(args: tuple, kwargs: dict, am: ActMesh) -> DTensor | None:
     table is split otherwise or the call scales gradients by frequency or is sparse."""
     a = dict(zip(("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"), args), **kwargs)
     w, ids = a["weight"], a["indices"]
+    if not _PARTIAL_GRAD_WHOLE or a.get("scale_grad_by_freq") or a.get("sparse") or not isinstance(w, DTensor):
+        return None
     n = am.size("tp")
-    # The output's gradient must reach each rank whole: ``from_local`` of a partial value hands
-    # it on as Replicate where torch normalises gradient placements (2.13 does); before, it
-    # divided it over the ranks (then DTensor's own op runs).
-    if (not hasattr(torch.distributed.tensor._api, "_normalize_placements_for_grad") or a.get("scale_grad_by_freq") or a.get("sparse") or not isinstance(w, DTensor) or am.tp_of(w) != Shard(0)
-            or w.shape[0] % n or any(not p.is_replicate() for d, p in zip(am.names, w.placements) if d != "tp")):
+    split_rows = am.tp_of(w) == Shard(0) and not w.shape[0] % n
+    if not split_rows or any(not p.is_replicate() for d, p in zip(am.names, w.placements) if d != "tp"):
         return None
     dim = am.names.index("tp")
-    rows = w.shape[0] // n
     ids_local = ids.to_local() if isinstance(ids, DTensor) else ids
     coordinate = am.mesh.get_coordinate()[dim]
     r = coords.run_time_rank(ids_local, am.mesh, dim, coordinate)
-    start = r * rows if r is not None else coordinate * rows
+    start = (coordinate if r is None else r) * (w.shape[0] // n)
     # Each cp rank looks up its own tokens: its gradient of the table is a partial sum over cp.
     cp_split = isinstance(ids, DTensor) and am.has("cp") and not ids.placements[am.names.index("cp")].is_replicate()
     grad = am.placements(tp=Shard(0), cp=Partial()) if cp_split else None
