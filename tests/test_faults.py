@@ -43,9 +43,7 @@ def test_one_rank_raises_every_rank_stops(hold):
     step's collective (before FailureWatch kept the store up for them, they hung at exit)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
-               FAIL_RANK=str(FAIL), HOLD_RANK=hold, PYTHONPATH=root, OMP_NUM_THREADS="1",
-               TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-                   os.path.expanduser("~"), ".cache", "autopar-test-inductor"))
+               FAIL_RANK=str(FAIL), HOLD_RANK=hold, PYTHONPATH=root, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, os.path.join(root, "tests", "scripts", "one_rank_fails.py")],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(WORLD)]

@@ -1,4 +1,5 @@
-"""Sharding rules DTensor lacks on PyTorch 2.13, registered once on import.
+"""Sharding rules DTensor lacks on PyTorch 2.13, registered once on import, and one redistribution
+it traces into thousands of nodes.
 
 ``_scaled_dot_product_flash_attention_for_cpu`` (what ``scaled_dot_product_attention`` runs on CPU)
 has no strategy, so DTensor would propagate through its decomposition: correct, but it expands the
@@ -69,3 +70,35 @@ def _outside_tracing(fn):
 # The sequence split of context parallelism flattens (batch, sequence) into one dim before every
 # linear: an interleaved ``_StridedShard``, whose shard sizes DTensor computes with tensors.
 _StridedShard.local_shard_size_and_offset = _outside_tracing(_StridedShard.local_shard_size_and_offset)
+
+
+def _gathered_in_order(fn):
+    """``_StridedShard``'s gather to whole, as one all-gather and a reorder of views where the
+    split is even. A ``_StridedShard(dim, sf)`` over ``n`` ranks holds, on rank ``i``, chunk ``i``
+    of each of ``sf`` pieces of ``dim``; gathered, ``dim`` reads ``(n, sf, c)`` and the whole tensor
+    is ``(sf, n, c)``: a transpose. DTensor reorders by index tensors it computes inside the trace
+    (an ``arange`` cut into ``sf x n`` chunks, concatenated, argsorted), hundreds to thousands of
+    graph nodes per gather where heads or windows fold into one dim (T5's and DeepSeek-V2's
+    attention, Swin's windows), which the trace, the partitioner and Inductor then carry. Uneven
+    splits keep DTensor's way."""
+    from torch.distributed import _functional_collectives as funcol
+
+    @functools.wraps(fn)
+    def wrapper(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        n = mesh.size(mesh_dim=mesh_dim)
+        d, size = self.dim, current_logical_shape[self.dim]
+        sf = self._split_factor_int() if hasattr(self, "_split_factor_int") else self.split_factor
+        if not all(isinstance(v, int) for v in (n, size, sf, local_tensor.size(d))) or size % (sf * n) \
+                or local_tensor.size(d) * n != size:
+            return fn(self, local_tensor, mesh, mesh_dim, current_logical_shape)
+        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=d, group=(mesh, mesh_dim))
+        if isinstance(gathered, funcol.AsyncCollectiveTensor):
+            gathered = gathered.wait()
+        shape = list(gathered.shape)
+        split = shape[:d] + [n, sf, size // (sf * n)] + shape[d + 1:]
+        return gathered.view(split).transpose(d, d + 1).reshape(shape).contiguous()
+
+    return wrapper
+
+
+_StridedShard._to_replicate_tensor = _gathered_in_order(_StridedShard._to_replicate_tensor)
