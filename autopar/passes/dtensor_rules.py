@@ -101,4 +101,14 @@ def _gathered_in_order(fn):
     return wrapper
 
 
-_StridedShard._to_replicate_tensor = _gathered_in_order(_StridedShard._to_replicate_tensor)
+def _wrap_to_replicate() -> None:
+    """Only over the method as 2.13 has it (its arguments by these names); elsewhere DTensor's own."""
+    import inspect
+
+    fn = vars(_StridedShard).get("_to_replicate_tensor")
+    if fn is not None and list(inspect.signature(fn).parameters) == [
+            "self", "local_tensor", "mesh", "mesh_dim", "current_logical_shape"]:
+        _StridedShard._to_replicate_tensor = _gathered_in_order(fn)
+
+
+_wrap_to_replicate()
