@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopar import analysis, capture, models
 from tests import dist_harness
 
-dist_harness.compile_env()  # before anything imports Inductor's config; inherited by every subprocess
+dist_harness.inductor_cache()  # before anything compiles; inherited by every subprocess
 
 
 @functools.cache

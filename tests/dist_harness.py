@@ -16,13 +16,10 @@ import torch.distributed as dist
 from autopar import launch
 
 
-def compile_env() -> str:
-    """Set, unless already set, what every test process compiles with, and return the cache:
-    one Inductor cache for the in-process tests, the launches' ranks and the subprocess tests
-    (kept across runs on one machine; kernels of the same shapes are compiled once for all), and
-    no line tables in the generated C++ (debug information only, the same machine code: a cold
-    compile's time is mostly g++, and ``-g1`` is a fifth of it)."""
-    os.environ.setdefault("AOT_INDUCTOR_ENABLE_LINE_TABLES", "0")
+def inductor_cache() -> str:
+    """Set, unless already set, the Inductor cache every test process compiles into, and return
+    it: one for the in-process tests, the launches' ranks and the subprocess tests (kept across
+    runs on one machine), so kernels of the same shapes are compiled once for all."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                                  os.path.join(os.path.expanduser("~"), ".cache", "autopar-test-inductor"))
 
@@ -274,7 +271,7 @@ def run(world: int, cases: list[dict], timeout: float | None = None, _retry: boo
 
     if timeout is None:  # a cold Inductor cache on 2 shared cores: minutes per case (compiles)
         timeout = 600 + 240 * len(cases)
-    cache = compile_env()
+    cache = inductor_cache()
     res = launch.spawn(world, _worker, cases, cache, expect=len(cases), timeout=timeout,
                        failed=lambda r: "error" in r)
     codes = res.exitcodes
