@@ -112,15 +112,19 @@ def _replicate_to_strided_shard(self, local_tensor: torch.Tensor, mesh, mesh_dim
     return out if out is not None else _ORIGINAL["strided"](self, local_tensor, mesh, mesh_dim, shard_index)
 
 
+def all_gather(x: torch.Tensor, dim: int, mesh, mesh_dim: int) -> torch.Tensor:
+    """``x`` of every rank of ``mesh_dim`` concatenated along ``dim``, waited for."""
+    from torch.distributed import _functional_collectives as funcol
+
+    whole = funcol.all_gather_single(x.contiguous(), dim, (mesh, mesh_dim))
+    return whole.wait() if isinstance(whole, funcol.AsyncCollectiveTensor) else whole
+
+
 def _shard_dim_alltoall(x: torch.Tensor, gather_dim: int, shard_dim: int, mesh, mesh_dim: int) -> torch.Tensor:
     """``shard_dim_alltoall`` where the process group has no all-to-all (gloo: DTensor gathers,
     then keeps this rank's chunk), the chunk chosen at run time."""
     if mesh.device_type == "cpu":
-        from torch.distributed import _functional_collectives as funcol
-
-        whole = funcol.all_gather_single(x, gather_dim, (mesh, mesh_dim))
-        whole = whole.wait() if isinstance(whole, funcol.AsyncCollectiveTensor) else whole
-        out = _chunk(whole, shard_dim, mesh, mesh_dim, mesh.get_local_rank(mesh_dim))
+        out = _chunk(all_gather(x, gather_dim, mesh, mesh_dim), shard_dim, mesh, mesh_dim, mesh.get_local_rank(mesh_dim))
         if out is not None:
             return out
     return _ORIGINAL["alltoall"](x, gather_dim, shard_dim, mesh, mesh_dim)

@@ -81,22 +81,20 @@ def _gathered_in_order(fn):
     graph nodes per gather where heads or windows fold into one dim (T5's and DeepSeek-V2's
     attention, Swin's windows), which the trace, the partitioner and Inductor then carry. Uneven
     splits keep DTensor's way."""
-    from torch.distributed import _functional_collectives as funcol
+    from autopar.passes.coords import all_gather
 
     @functools.wraps(fn)
     def wrapper(self, local_tensor, mesh, mesh_dim, current_logical_shape):
         n = mesh.size(mesh_dim=mesh_dim)
         d, size = self.dim, current_logical_shape[self.dim]
-        sf = self._split_factor_int() if hasattr(self, "_split_factor_int") else self.split_factor
+        sf = self._split_factor_int()
         if not all(isinstance(v, int) for v in (n, size, sf, local_tensor.size(d))) or size % (sf * n) \
                 or local_tensor.size(d) * n != size:
             return fn(self, local_tensor, mesh, mesh_dim, current_logical_shape)
-        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=d, group=(mesh, mesh_dim))
-        if isinstance(gathered, funcol.AsyncCollectiveTensor):
-            gathered = gathered.wait()
+        gathered = all_gather(local_tensor, d, mesh, mesh_dim)
         shape = list(gathered.shape)
         split = shape[:d] + [n, sf, size // (sf * n)] + shape[d + 1:]
-        return gathered.view(split).transpose(d, d + 1).reshape(shape).contiguous()
+        return gathered.view(split).transpose(d, d + 1).reshape(shape)
 
     return wrapper
 
