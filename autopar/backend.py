@@ -23,6 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 # Importing overlap registers autopar::copy_out, which the compiled graphs call.
 import autopar.passes.overlap  # noqa: F401
+from autopar.cpp_kernels import batched_cpp_kernels
 from autopar.passes import StepGraphs
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     inductor_cfg = {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
     with torch.no_grad(), torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), \
-            torch._inductor.config.patch(inductor_cfg):
+            torch._inductor.config.patch(inductor_cfg), batched_cpp_kernels():
         art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs", **_fake_mode_kw(vals))
     return _boxed(art)
 
