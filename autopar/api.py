@@ -104,8 +104,12 @@ def profile_model(
     if prof is None and step is not None:
         if seq_len is None:
             seq_len, vocab = capture.sample_tokens(step, batch, vocab)
-        prof = analysis.analyze(cut.for_analysis(step, build, name=name, batch=batch, seq_len=seq_len, dtype=dtype,
-                                                    vocab_size=vocab, t0=t0))
+        key = _step_profile_key(step, build, name=name, batch=batch, seq_len=seq_len, dtype=dtype, vocab=vocab)
+        prof = _profile_cache_get(key)
+        if prof is None:
+            prof = analysis.analyze(cut.for_analysis(step, build, name=name, batch=batch, seq_len=seq_len,
+                                                        dtype=dtype, vocab_size=vocab, t0=t0))
+            _profile_cache_put(key, prof)
     elif prof is None:
         tr = capture.trace_model(build, batch=batch, seq_len=seq_len, vocab_size=vocab, dtype=dtype,
                                  loss_fn=loss_fn or source_loss, name=name, example_inputs=example_inputs or traced_on,
@@ -154,9 +158,41 @@ def _profile_key(model: Any, batch: int, seq_len: int, dtype: torch.dtype) -> st
         return None
     h = hashlib.sha256(json.dumps([model.name, model.spec, model.vocab_size, batch, seq_len, str(dtype),
                                    torch.__version__], sort_keys=True, default=str).encode())
+    h.update(_analysis_code())
+    return h.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def _analysis_code() -> bytes:
+    """The source of the modules that produce a profile."""
+    code = b""
     for mod in (capture, traceable, cut, fxops, memory, roles, analysis, models):
         with open(mod.__file__, "rb") as f:
-            h.update(f.read())
+            code += f.read()
+    return code
+
+
+def _step_profile_key(step: capture.StepGraph, model: nn.Module, **shapes) -> str:
+    """Cache key of the profile of a module's traced step: everything the analysis reads (each
+    node of the step graph with its annotations and its values' shapes, the step's bookkeeping,
+    the module tree's classes and parameter shapes), the shapes, torch and the analysis code. The
+    same model traced again (another rank, another plan, the next run) is analysed once."""
+    h = hashlib.sha256(repr(sorted(shapes.items())).encode() + torch.__version__.encode() + _analysis_code())
+
+    def sig(v):
+        if isinstance(v, torch.Tensor):
+            return (tuple(map(str, v.shape)), tuple(map(str, v.stride())), str(v.dtype), v.requires_grad)
+        return str(v) if isinstance(v, (torch.SymInt, torch.SymFloat, int, float, bool)) else type(v).__name__
+
+    for n in step.gm.graph.nodes:
+        vals = [sig(v) for v in torch.utils._pytree.tree_leaves(n.meta.get("val"))]
+        h.update(repr((n.op, n.name, str(n.target), n.args, n.kwargs, n.meta.get("custom"), n.meta.get("trained"),
+                       vals)).encode())
+    h.update(repr([getattr(step, f.name) for f in dataclasses.fields(step) if f.name != "gm"]).encode())
+    for name, m in model.named_modules(remove_duplicate=False):
+        h.update(repr((name, type(m).__module__, type(m).__qualname__, getattr(m, "num_embeddings", None),
+                       [(pn, tuple(q.shape), str(q.dtype), q.requires_grad)
+                        for pn, q in m.named_parameters(recurse=False, remove_duplicate=False)])).encode())
     return h.hexdigest()[:32]
 
 

@@ -285,3 +285,30 @@ def test_planner_prices_the_roles_the_executor_shards(kind):
         if name.startswith(sg.layers[0] + "."):
             run[name[len(sg.layers[0]) + 1:]] = (lin.role, lin.parts if lin.role == "column" else 1)
     assert planned == run
+
+
+def test_a_module_traced_again_is_analysed_once(monkeypatch, tmp_path):
+    """The profile of a module's traced step is cached by everything the analysis reads: the same
+    model traced again (another rank, plan or run) is not analysed again; one width changed is."""
+    from autopar import api
+    from tests import zoo
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    analysed = []
+    real = analysis.analyze
+    monkeypatch.setattr(analysis, "analyze", lambda tr: analysed.append(tr.name) or real(tr))
+
+    def profile(model):
+        xs, tgt = zoo.example("llama-tiny", 0, B=2, S=16)
+        step = capture.trace_step(model, xs, target=tgt, loss_fn=capture.default_loss, name="m")
+        return api.profile_model(model, example_inputs=xs, loss_fn=capture.default_loss, step=step).profile
+
+    first = profile(zoo.build("llama-tiny"))
+    again = profile(zoo.build("llama-tiny"))
+    assert len(analysed) == 1
+    assert (again.blocks[0].saved_partitioned, again.n_params) == (first.blocks[0].saved_partitioned, first.n_params)
+    import dataclasses
+
+    cfg = models.PRESETS["llama-tiny"]
+    profile(models.Llama(dataclasses.replace(cfg, n_layers=2, ffn_dim=cfg.ffn_dim + 32)))
+    assert len(analysed) == 2
