@@ -13,7 +13,8 @@ An index in Inductor's cache directory maps each kernel's code to the library th
 kernel met again (another graph, another rank, another run) is loaded, not rebuilt. Where a batch
 does not build or load, its kernels are built one by one as Inductor builds them. The hold is
 installed only while ``backend.compile_graph`` compiles and only over the methods as this torch
-has them (``batched_cpp_kernels``); elsewhere Inductor is untouched.
+has them (``batched_cpp_kernels``); elsewhere Inductor is untouched. ``AUTOPAR_CPP_KERNELS_ALONE=1``
+builds each kernel alone, as Inductor does.
 """
 
 from __future__ import annotations
