@@ -132,17 +132,21 @@ class _Builder:
     """Builds the held kernels of one wait: those in the index are loaded from their library,
     the others built in ``workers`` libraries at once."""
 
-    def __init__(self, codecache, async_compile_cls, load_pybinding):
+    def __init__(self, codecache, async_compile_cls):
         from torch._inductor.runtime.runtime_utils import cache_dir
 
-        self.cc, self.ac, self.load_pybinding = codecache, async_compile_cls, load_pybinding
+        self.bindings, self.ac = codecache.CppPythonBindingsCodeCache, async_compile_cls
         self.index = os.path.join(cache_dir(), _INDEX)
 
     def _load(self, source: str):
         # Handed to the compile workers where there are some (built inline, the library's file
         # lock would be taken twice by this one process).
         submit = self.ac.submit if _compile_threads() > 1 else None
-        return self.cc.CppPythonBindingsCodeCache.load_async(source, "cpu", submit_fn=submit)
+        return self.bindings.load_async(source, "cpu", submit_fn=submit)
+
+    def _alone(self, k: _Held):
+        """``k`` built as Inductor builds it: a library of its own."""
+        return self.bindings.load_pybinding(k.argtypes, k.source)
 
     def _write(self, path: str, text: str) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -150,12 +154,16 @@ class _Builder:
             f.write(text)
         os.replace(tmp, path)
 
-    def _indexed(self, k: _Held):
+    def _indexed(self, k: _Held, libs: dict):
+        """(the loader of the library the index names for ``k``, ``k``'s entry in it), or None;
+        ``libs`` holds the loaders of the libraries read so far."""
         try:
             with open(os.path.join(self.index, k.key)) as f:
                 lib, name = f.read().split()
-            with open(os.path.join(self.index, lib + ".cpp")) as f:
-                return self._load(f.read()), name
+            if lib not in libs:
+                with open(os.path.join(self.index, lib + ".cpp")) as f:
+                    libs[lib] = self._load(f.read())
+            return libs[lib], name
         except (OSError, ValueError):
             return None
 
@@ -167,7 +175,8 @@ class _Builder:
 
     def _build(self, held: list[_Held]) -> list:
         os.makedirs(self.index, exist_ok=True)
-        found = [self._indexed(k) for k in held]
+        libs: dict = {}
+        found = [self._indexed(k, libs) for k in held]
         missing = [i for i, f in enumerate(found) if f is None]
         workers = min(_compile_threads(), len(missing))
         shares = [missing[w::workers] for w in range(workers)]
@@ -188,7 +197,7 @@ class _Builder:
             except Exception as e:  # noqa: BLE001 - the kernels are then built one by one
                 log.warning("cpp_kernels: %d kernels built together failed (%s: %s); building each alone",
                             len(share), type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-                fns = [self.load_pybinding(held[i].argtypes, held[i].source) for i in share]
+                fns = [self._alone(held[i]) for i in share]
             else:
                 for i, n in zip(share, names):
                     self._write(os.path.join(self.index, held[i].key), f"{lib} {n}\n")
@@ -200,7 +209,7 @@ class _Builder:
         try:
             return getattr(get(), name)
         except Exception:  # noqa: BLE001 - a library the index names but this process cannot load
-            return self.load_pybinding(k.argtypes, k.source)
+            return self._alone(k)
 
 
 def _compile_threads() -> int:
@@ -232,7 +241,7 @@ def batched_cpp_kernels():
         yield
         return
     hold_orig, wait_orig = ac.cpp_pybinding, ac.wait
-    builder = _Builder(codecache, ac, codecache.CppPythonBindingsCodeCache.load_pybinding)
+    builder = _Builder(codecache, ac)
 
     def hold(self, argtypes, source_code):
         return _Held(argtypes, source_code)

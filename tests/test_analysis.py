@@ -1,5 +1,6 @@
 """Capture and analysis: pairs, heads, regions and saved activations, on several model families."""
 
+import dataclasses
 import resource
 
 import pytest
@@ -307,8 +308,6 @@ def test_a_module_traced_again_is_analysed_once(monkeypatch, tmp_path):
     again = profile(zoo.build("llama-tiny"))
     assert len(analysed) == 1
     assert (again.blocks[0].saved_partitioned, again.n_params) == (first.blocks[0].saved_partitioned, first.n_params)
-    import dataclasses
-
     cfg = models.PRESETS["llama-tiny"]
     profile(models.Llama(dataclasses.replace(cfg, n_layers=2, ffn_dim=cfg.ffn_dim + 32)))
     assert len(analysed) == 2
