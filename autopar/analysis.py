@@ -43,7 +43,7 @@ from autopar.cut import BlockTrace, ModelTrace
 from autopar.fxops import VIEW_OPS, node_flops, op_name, tensor_bytes
 from autopar.roles import find_roles
 
-MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "grouped_mm", "grouped_mm_wgrad"}
 ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -64,6 +64,8 @@ class Linear:
     partners: tuple[str, ...] = ()  # for a row linear: its column linears (weight names)
     transposed_storage: bool = True  # weight stored (out, in) as nn.Linear; False for Conv1D
     parts: int = 1  # a fused column's equal parts (q, k, v), split in interleaved parts
+    group: tuple[str, ...] = ()  # routed experts' grouped linear: every expert's weight (``weight`` the first)
+    rows_per_token: float = 1.0  # rows of its input per token (routed experts: top_k)
 
 
 @dataclass
@@ -113,8 +115,11 @@ class BlockProfile:
         return sum(1 if g[0] is not None else len(g[1]) for g in self.tp_groups)
 
     @property
-    def rows(self) -> int:
-        return len(self.tp_groups)
+    def rows(self) -> float:
+        """Row outputs reduced per layer under TP, in tokens x hidden messages (a routed experts'
+        row reduces each token's ``top_k`` rows)."""
+        per = {l.weight: l.rows_per_token for l in self.linears}
+        return sum(per.get(g[2], 1.0) for g in self.tp_groups)
 
     @property
     def tp_linears(self) -> int:
@@ -124,7 +129,7 @@ class BlockProfile:
     @property
     def sequence_modules(self) -> list[str]:
         """Modules with 1-D parameters that are not linears (norms): sequence-parallel under SP."""
-        linear_mods = {l.weight.rsplit(".", 1)[0] for l in self.linears}
+        linear_mods = {w.rsplit(".", 1)[0] for l in self.linears for w in (l.group or (l.weight,))}
         return sorted({n.rsplit(".", 1)[0] for n, shp in self.param_shapes.items() if len(shp) == 1} - linear_mods)
 
     @property
@@ -295,14 +300,11 @@ def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tu
         if name in VIEW_OPS or name == "getitem":
             continue
         outv = n.meta.get("val")
-        # Routed experts traced in fixed-shape form run only their top-k share of the tokens on a
-        # GPU: their FLOPs and activation traffic scale by it, their weights are read whole.
-        active = n.meta.get("custom", {}).get("moe_active", 1.0)
-        flops = node_flops(n) * active
+        flops = node_flops(n)
         in_nodes = [a for a in n.all_input_nodes]
         w_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name in param_nodes)
         a_bytes = sum(tensor_bytes(_val(a)) for a in in_nodes if _strip_views(a).name not in param_nodes)
-        a_bytes = active * (a_bytes + sum(tensor_bytes(o) for o in torch.utils._pytree.tree_leaves(outv)))
+        a_bytes = a_bytes + sum(tensor_bytes(o) for o in torch.utils._pytree.tree_leaves(outv))
         kind = KIND_OTHER
         causal = False
         if name in ATTENTION_OPS:
@@ -318,9 +320,10 @@ def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tu
     return out
 
 
-def _block_linears(bt: BlockTrace, found) -> tuple[dict[str, Linear], dict[str, str], set[str]]:
+def _block_linears(bt: BlockTrace, found, tokens: int) -> tuple[dict[str, Linear], dict[str, str], set[str]]:
     """The block's linears (by node name) as the role finder found them, each column's bias, and
-    the nodes inside a TP region (between a column group and its row linear)."""
+    the nodes inside a TP region (between a column group and its row linear). ``tokens``: the
+    rows of the block's input."""
     linears: dict[str, Linear] = {}
     bias_of: dict[str, str] = {}
     weight_of = {gl.node: bt.param_names[gl.weight] for gl in found.linears}
@@ -329,6 +332,10 @@ def _block_linears(bt: BlockTrace, found) -> tuple[dict[str, Linear], dict[str, 
         shape = bt.param_shapes[wname]
         in_f, out_f = int(shape[1 - gl.out_dim]), int(shape[gl.out_dim])
         lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
+        if gl.group:
+            lin.group = tuple(bt.param_names[i] for i in gl.group)
+            rows, act = _val(gl.node), _val(gl.act)
+            lin.rows_per_token = float(rows.shape[0]) / tokens if rows is not None and tokens else 1.0
         # nn.Linear stores its weight (out, in) and transposes it; HF Conv1D stores (in, out).
         lin.transposed_storage = tuple(shape) == (out_f, in_f)
         if gl.role in ("column", "row"):
@@ -474,7 +481,9 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     # The roles (column, row, replicated) from the one role finder, the executor's; here only priced.
     found = find_roles(gm, {placeholders[i]: i for i in range(n_params)},
                        [n for n in tensor_ph if n.name in hidden_ph])
-    linears, bias_of, tp_nodes = _block_linears(bt, found)
+    hidden_vals = [_val(nodes[h]) for h in hidden_ph]
+    tokens = math.prod(hidden_vals[0].shape[:-1]) if hidden_vals and hidden_vals[0] is not None else 0
+    linears, bias_of, tp_nodes = _block_linears(bt, found, tokens)
     _find_heads(linears, nodes)
 
     tp_div: dict[str, int] = {}
@@ -531,7 +540,7 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     tp_weights = set()
     for l in linears.values():
         if l.role in ("column", "row"):
-            tp_weights.add(l.weight)
+            tp_weights.update(l.group or (l.weight,))
             if l.role == "column" and l.node in bias_of:
                 tp_weights.add(bias_of[l.node])
     params_tp = sum(math.prod(bt.param_shapes[w]) for w in tp_weights)

@@ -481,8 +481,8 @@ def shard_rules(m: analysis.ModelProfile) -> tuple[ShardRule, ...]:
     for b in m.blocks:
         linear_mods = {}
         for l in b.linears:
-            mod = l.weight.rsplit(".", 1)[0]
-            linear_mods[mod] = {"column": "colwise", "row": "rowwise"}.get(l.role, "replicate")
+            for w in l.group or (l.weight,):
+                linear_mods[w.rsplit(".", 1)[0]] = {"column": "colwise", "row": "rowwise"}.get(l.role, "replicate")
         rules += [ShardRule(b.cls_name, mod, st) for mod, st in linear_mods.items()]
         rules += [ShardRule(b.cls_name, g[0], "tp_input") for g in b.tp_groups if g[0] is not None]
         rules += [ShardRule(b.cls_name, mod, "sequence") for mod in b.sequence_modules]

@@ -3,8 +3,10 @@
 The one role finder: the planner runs it on each distinct block's graph (``analysis.analyze_block``
 prices what it divides) and the executor on the traced training step (``passes/tp.tp_rules``
 shards what it finds), so the plan ``explain`` prices is the one that runs. A *linear* is an
-``mm``/``addmm`` of an activation with a 2-D parameter (through views, casts and transposes);
-its role follows from where its input comes from (``Roles``).
+``mm``/``addmm`` of an activation with a 2-D parameter (through views, casts and transposes),
+or a ``grouped_mm`` of routed experts' rows with one such parameter per expert (the experts'
+same-named linears, one role for all); its role follows from where its input comes from
+(``Roles``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.fxops import ATTENTION_OPS, FEATURE_VIEWS, SPLIT_OPS
+from autopar.grouped_mm import GROUPED_MM
 
 _aten = torch.ops.aten
 _PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of the result swaps on t/transpose)
@@ -59,6 +62,11 @@ class GraphLinear:
     role: str = "replicated"  # column | row | head | replicated
     parts: int = 1  # a fused projection split into this many equal parts (q, k, v)
     reason: str = ""  # why a linear stays replicated
+    group: tuple[int, ...] = ()  # a grouped linear (routed experts): every expert's weight, ``weight`` the first
+
+    @property
+    def weights(self) -> tuple[int, ...]:
+        return self.group or (self.weight,)
 
 
 @dataclass
@@ -202,6 +210,13 @@ def _head_view_reason(view: torch.fx.Node, d: int) -> str:
     return ""
 
 
+def _token_rows(x: torch.fx.Node, linears: dict) -> bool:
+    """``x`` picks rows of a token matrix for grouped linears only (routed experts' tokens in
+    expert order): the tokens are gathered before the pick, once for all the experts' rows."""
+    return (x.target == _aten.index.Tensor and len(x.args[1]) == 1
+            and all(u in linears and linears[u].group for u in x.users))
+
+
 def step_roles(sg) -> Roles:
     """The roles in a traced step (``capture.StepGraph``): the residual stream starts at the
     model's floating-point inputs and at lookups of its integer inputs."""
@@ -237,6 +252,12 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
     phs = {i: n for n, i in pidx.items()}
     linears: dict[torch.fx.Node, GraphLinear] = {}
     for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == GROUPED_MM:
+            found = [_weight_of(w, pidx) for w in n.args[1]]
+            if all(w is not None and not flips and phs[w].meta["val"].dim() == 2 for w, flips in found):
+                ws = tuple(w for w, _ in found)
+                linears[n] = GraphLinear(n, ws[0], 0, n.args[0], group=ws)
+            continue
         if n.op != "call_function" or n.target not in (_aten.mm.default, _aten.addmm.default):
             continue
         a, b = (n.args[0], n.args[1]) if n.target == _aten.mm.default else (n.args[1], n.args[2])
@@ -356,7 +377,8 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
         if lin.role not in ("column", "head"):
             continue
         chain, x = [lin.node], lin.act
-        while x.op == "call_function" and x.target in FEATURE_VIEWS and len(x.users) == 1:
+        while x.op == "call_function" and ((x.target in FEATURE_VIEWS and len(x.users) == 1)
+                                           or (lin.group and _token_rows(x, linears))):
             chain.append(x)
             x = x.args[0]
         gather_points.setdefault(x, set()).update(chain)

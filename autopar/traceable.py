@@ -5,9 +5,9 @@ under while it traces it.
   traced again as ``torch.compile`` sees it, the signal libraries take their traceable path on.
 - Random scalar draws compared with a constant probability (LayerDrop), decided exactly where
   certain (``_ScalarDraws``).
-- Token-routed mixture-of-experts blocks in a fixed-shape form (``fixed_shape_experts_forward``),
-  checked against the block's own forward on its own weights before training
-  (``check_routed_experts``).
+- Token-routed mixture-of-experts blocks in a fixed-shape form that runs each expert on its own
+  tokens (``routed_experts_forward``, ``grouped_mm``), checked against the block's own forward on
+  its own weights before training (``check_routed_experts``).
 - Attention priced as the target GPU runs it (``_TargetKernels``): no dropout outside the kernel,
   the fused kernel where this CPU would take the math path.
 """
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from autopar.errors import TraceError
 from autopar.fxops import additive_mask
+from autopar.grouped_mm import grouped_mm
 
 
 def data_dependent(e: BaseException) -> bool:
@@ -54,7 +55,7 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
             if tc._is_compiling_flag:  # the second trace: decide random-threshold branches exactly
                 stack.enter_context(_ScalarDraws())
                 if model is not None:
-                    stack.enter_context(_FixedShapeExperts(model))
+                    stack.enter_context(_RoutedForm(model))
             return trace()
 
     try:
@@ -169,6 +170,10 @@ class RoutedExperts:
     def n_experts(self) -> int:
         return len(self.module.experts)
 
+    @property
+    def linears(self) -> tuple[str, ...] | None:
+        return _linears(self.module.experts[0])
+
 
 _MOE_PARTS = {"experts", "shared_expert", "shared_expert_gate", "shared_experts", "act_fn"}
 
@@ -218,36 +223,97 @@ def _gate_routing(r: RoutedExperts, hidden: torch.Tensor) -> tuple[torch.Tensor,
     return idx[0].reshape(-1, r.top_k), wts[0].reshape(-1, r.top_k)
 
 
-def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor):
-    """The block's output with fixed shapes: every expert runs on every token and its output is
-    weighted by the token's routing weight, exactly 0 where the token was not routed to it; the
-    sum runs in expert order, as the routed form's ``index_add_`` does, so each token gets the
-    same additions. Expert FLOPs are marked ``moe_active = top_k / E`` (what a routed kernel runs).
-    A linear router's block returns ``(output, router logits)``; a gate module's block its output
-    (accumulated in the routing weights' precision, as DeepSeek's own combine does)."""
+def _linears(expert: nn.Module) -> tuple[str, ...] | None:
+    """The names of an expert's linears when every parameter it has belongs to one of them (what
+    the grouped form applies per expert), else None."""
+    names = tuple(n for n, m in expert.named_modules() if isinstance(m, nn.Linear))
+    owned = {id(p) for n in names for p in expert.get_submodule(n).parameters(recurse=False)}
+    return names if names and all(id(p) in owned for p in expert.parameters()) else None
+
+
+def _routing(r: RoutedExperts, hidden: torch.Tensor, x: torch.Tensor):
+    """Each token's chosen experts and routing weights ``(tokens, top_k)``, the dtype the block
+    accumulates its experts' outputs in, and the router's logits (None for a gate module)."""
     m = r.module
     if m.training and float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0:
         raise TraceError(f"the mixture-of-experts block {r.name} multiplies its input by random jitter noise "
                          f"(router_jitter_noise={m.jitter_noise}) while training, which one static graph cannot "
                          "reproduce; set router_jitter_noise=0 in the config")
-    b, s, h = hidden.shape
-    x = hidden.reshape(-1, h)
     if r.gate_module:
         chosen, weights = _gate_routing(r, hidden)
-        acc = weights.dtype
-    else:
-        logits = getattr(m, r.router)(x)
-        weights = F.softmax(logits, dim=1, dtype=torch.float)
-        weights, chosen = torch.topk(weights, r.top_k, dim=-1)
-        if r.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        acc = x.dtype
+        return chosen, weights, weights.dtype, None
+    logits = getattr(m, r.router)(x)
+    weights = F.softmax(logits, dim=1, dtype=torch.float)
+    weights, chosen = torch.topk(weights, r.top_k, dim=-1)
+    if r.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return chosen, weights, x.dtype, logits
+
+
+def _grouped_experts(r: RoutedExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, acc) -> torch.Tensor:
+    """The experts applied to their tokens only: the ``tokens x top_k`` (token, expert) pairs sorted
+    by expert, each expert's linears run on its rows as one ``grouped_mm`` (the first expert's own
+    forward with its linears swapped for the grouped ones, so activations and gating are the
+    expert's own), each row weighted, and each token's rows added in expert order onto zeros, as
+    the block's loop over experts adds them."""
+    m, k, n_tok = r.module, r.top_k, x.shape[0]
+    chosen, perm = chosen.sort(dim=1)
+    weights = weights.gather(1, perm)
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(r.n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0)
+    expert_of_row = flat[order]
+    rows = x[order // k]
+    first = m.experts[0]
+    swapped = {}
+    for name in r.linears:
+        lin = first.get_submodule(name)
+        ws = [e.get_submodule(name).weight for e in m.experts]
+        bs = [e.get_submodule(name).bias for e in m.experts] if lin.bias is not None else None
+
+        def grouped(t, ws=ws, bs=bs):
+            y = grouped_mm(t, ws, offs)
+            return y if bs is None else y + torch.stack(bs)[expert_of_row]
+
+        swapped[name] = lin
+        lin.forward = grouped
+    try:
+        ys = first(rows)
+    finally:
+        for lin in swapped.values():
+            lin.__dict__.pop("forward", None)
+    ys = ys.to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(1)
+    back = ys[order.argsort()].reshape(n_tok, k, -1)  # each token's k rows, in expert order
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for j in range(k):
+        out = out + back[:, j]
+    return out
+
+
+def _dense_experts(r: RoutedExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, acc) -> torch.Tensor:
+    """Every expert on every token, weighted by the token's routing weight (exactly 0 where the
+    token was not routed to it), summed in expert order: for experts with parameters outside
+    linears, which the grouped form does not apply. It spends every expert's FLOPs on every token
+    and is priced so."""
     dense = torch.zeros(x.shape[0], r.n_experts, dtype=acc, device=x.device).scatter(1, chosen, weights.to(acc))
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    with fx_traceback.annotate({"moe_active": r.top_k / r.n_experts}):
-        for e, expert in enumerate(m.experts):
-            out = out + expert(x).to(acc) * dense[:, e:e + 1]
-    out = out.to(x.dtype)
+    for e, expert in enumerate(r.module.experts):
+        out = out + expert(x).to(acc) * dense[:, e:e + 1]
+    return out
+
+
+def routed_experts_forward(r: RoutedExperts, hidden: torch.Tensor):
+    """The block's output with fixed shapes: routed (``_grouped_experts``) where every expert
+    parameter is a linear's, else dense (``_dense_experts``); then the shared experts. A linear
+    router's block returns ``(output, router logits)``; a gate module's block its output
+    (accumulated in the routing weights' precision, as DeepSeek's own combine does)."""
+    m = r.module
+    b, s, h = hidden.shape
+    x = hidden.reshape(-1, h)
+    chosen, weights, acc, logits = _routing(r, hidden, x)
+    experts = _grouped_experts if r.linears else _dense_experts
+    out = experts(r, x, chosen, weights, acc).to(x.dtype)
     shared = getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None)
     if shared is not None:
         gate = getattr(m, "shared_expert_gate", None)
@@ -258,8 +324,8 @@ def fixed_shape_experts_forward(r: RoutedExperts, hidden: torch.Tensor):
     return out.reshape(b, s, h), logits
 
 
-class _FixedShapeExperts:
-    """While tracing, each routed-experts block of ``model`` runs ``fixed_shape_experts_forward``."""
+class _RoutedForm:
+    """While tracing, each routed-experts block of ``model`` runs ``routed_experts_forward``."""
 
     def __init__(self, model: nn.Module):
         self.blocks = routed_experts(model)
@@ -267,7 +333,7 @@ class _FixedShapeExperts:
     def __enter__(self):
         self.kept = [r.module.__dict__.get("forward") for r in self.blocks]  # a hook's own patch, if any
         for r in self.blocks:
-            r.module.forward = lambda hidden, r=r: fixed_shape_experts_forward(r, hidden)
+            r.module.forward = lambda hidden, r=r: routed_experts_forward(r, hidden)
         return self
 
     def __exit__(self, *exc):
@@ -295,7 +361,7 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
         x = torch.randn(1, tokens, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
         with torch.no_grad():
             own = r.module(x)
-            mine = fixed_shape_experts_forward(r, x)
+            mine = routed_experts_forward(r, x)
         own_t = own if isinstance(own, tuple) else (own,)
         mine = mine if isinstance(mine, tuple) else (mine,)
         if len(own_t) != len(mine) or any(not isinstance(a, torch.Tensor) or a.shape != b.shape

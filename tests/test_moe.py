@@ -49,7 +49,7 @@ def test_fixed_shape_form_matches_the_block(kind):
     x = torch.randn(2, 16, 64, requires_grad=True)
     m = blocks[0].module
     own, _ = m(x)
-    mine, _ = traceable.fixed_shape_experts_forward(blocks[0], x)
+    mine, _ = traceable.routed_experts_forward(blocks[0], x)
     torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
     g_own = torch.autograd.grad(own.square().sum(), [x, m.gate.weight])
     g_mine = torch.autograd.grad(mine.square().sum(), [x, m.gate.weight])
@@ -68,7 +68,7 @@ def test_gate_module_routing_is_run_as_it_is():
     m = blocks[0].module
     m.gate.routed_scaling_factor = 1.5  # the gate's own scaling is kept, whatever it is
     x = torch.randn(2, 16, 64, requires_grad=True)
-    own, mine = m(x), traceable.fixed_shape_experts_forward(blocks[0], x)
+    own, mine = m(x), traceable.routed_experts_forward(blocks[0], x)
     torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
     g_own = torch.autograd.grad(own.square().sum(), [x, m.gate.weight])
     g_mine = torch.autograd.grad(mine.square().sum(), [x, m.gate.weight])
@@ -130,3 +130,119 @@ def test_narrower_value_heads_priced_as_the_fused_kernel():
     assert got is not None and got.shape == (1, 4, 16, 8)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_mm_applies_each_expert_to_its_rows_only():
+    """``grouped_mm``: rows of expert e times its weight, an expert with no rows skipped; its
+    gradients are the per-expert matmuls' (no row reaches another expert's weight), and it
+    compiles with Inductor to the same values."""
+    from autopar.grouped_mm import grouped_mm
+
+    torch.manual_seed(0)
+    counts = [3, 0, 5, 2]
+    x = torch.randn(sum(counts), 6, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(4, 6, dtype=torch.float64, requires_grad=True) for _ in counts]
+    offs = torch.tensor(counts).cumsum(0)
+    bounds = [0, *offs.tolist()]
+    want = torch.cat([x[bounds[e]:bounds[e + 1]] @ w.t() for e, w in enumerate(ws)])
+    got = grouped_mm(x, ws, offs)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, [x, *ws], g), torch.autograd.grad(want, [x, *ws], g)):
+        torch.testing.assert_close(a, b)
+    compiled = torch.compile(lambda x, ws, offs: grouped_mm(x, ws, offs).relu())
+    torch.testing.assert_close(compiled(x, ws, offs), want.relu())
+
+
+def _step_graph(model: nn.Module):
+    from autopar import capture
+
+    ids = torch.randint(0, 100, (2, 16))
+    return capture.trace_step(model, (ids,), target=ids)
+
+
+def test_experts_run_on_their_tokens_only_one_grouped_linear_each():
+    """The traced step applies each expert linear as one grouped matmul over tokens x top_k rows
+    (not every expert on every token), and the one role finder gives each grouped linear one TP
+    role for every expert's weight: gate and up projections split by output features, the down
+    projection by input features, the tokens gathered once before they are sorted by expert."""
+    from autopar import roles
+    from autopar.grouped_mm import GROUPED_MM
+    from autopar.passes.tp import placement_str, tp_rules
+
+    torch.manual_seed(0)
+    model = _qwen2_moe(2)
+    sg = _step_graph(model)
+    grouped = list(sg.gm.graph.find_nodes(op="call_function", target=GROUPED_MM))
+    assert len(grouped) == 3 * 2  # three linears per expert, two layers
+    assert all(n.meta["val"].shape[0] == 2 * 16 * 2 for n in grouped)  # tokens x top_k rows
+    phs = sg.placeholders()
+    expert_params = {phs[i] for i, name in enumerate(sg.param_names) if ".experts." in name}
+    assert not [n for n in sg.gm.graph.nodes if n.op == "call_function" and n.target in (
+        torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and any(a in expert_params for a in n.all_input_nodes)]
+    found = roles.step_roles(sg)
+    by_name = {sg.param_names[lin.weight].rsplit(".", 2)[-2]: lin for lin in found.linears if lin.group}
+    assert {k: v.role for k, v in by_name.items()} == {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
+    assert all(len(lin.group) == 4 for lin in by_name.values())
+    rules = tp_rules(sg, found, 2, True, True)
+    want = {"gate_proj": "S(0)", "up_proj": "S(0)", "down_proj": "S(1)"}
+    for i, name in enumerate(sg.param_names):
+        if ".experts." in name:
+            assert placement_str(rules.placements[i]) == want[name.rsplit(".", 2)[-2]], name
+    sorted_rows = [n for n in sg.gm.graph.nodes if n.target == torch.ops.aten.index.Tensor and
+                   any(u.target == GROUPED_MM for u in n.users)]
+    assert sorted_rows and all(any(n in readers for readers in rules.gathered.values()) for n in sorted_rows)
+
+
+class ScaledExpert(nn.Module):
+    """An expert with a parameter outside its linears (a learned output scale)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) * self.scale
+
+
+class ScaledMoE(nn.Module):
+    def __init__(self, dim=16, n=4, k=2):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = k, True
+        self.gate = nn.Linear(dim, n, bias=False)
+        self.experts = nn.ModuleList(ScaledExpert(dim) for _ in range(n))
+
+    def forward(self, x):  # the block's own routed loop, as transformers writes it
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        logits = self.gate(flat)
+        w, sel = torch.topk(torch.softmax(logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
+        w = (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in range(len(self.experts)):
+            tok, slot = torch.where(sel == e)
+            out.index_add_(0, tok, self.experts[e](flat[tok]) * w[tok, slot, None])
+        return out.reshape(b, s, h), logits
+
+
+def test_experts_with_other_parameters_run_dense_and_are_priced_so():
+    """Experts the grouped form cannot apply (a parameter outside their linears) run every expert
+    on every token, checked against the block's own routing, and are priced at that cost: two
+    more experts per token cost no more FLOPs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledMoE())
+    (r,) = traceable.check_routed_experts(model)
+    assert r.linears is None
+    x = torch.randn(2, 8, 16)
+    torch.testing.assert_close(traceable.routed_experts_forward(r, x)[0], model[0](x)[0], rtol=1e-6, atol=1e-7)
+
+    def expert_flops(k: int) -> int:
+        from autopar.analysis import _node_costs
+
+        m = ScaledMoE(k=k)
+        with traceable._RoutedForm(m):
+            gm = torch.fx.experimental.proxy_tensor.make_fx(lambda t: m(t)[0])(x)
+        return sum(c[0] for c in _node_costs(gm, set()).values())
+
+    assert expert_flops(4) == expert_flops(2)

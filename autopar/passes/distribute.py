@@ -37,6 +37,7 @@ from autopar import passes
 from autopar.errors import AutoparError
 from autopar.fxops import ATTENTION_OPS, SPLIT_OPS
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
@@ -224,6 +225,37 @@ def _vocab_embedding(args: tuple, kwargs: dict, am: ActMesh) -> DTensor | None:
                               stride=_contiguous_stride(shape))
 
 
+def _grouped_linear(args: tuple, am: ActMesh) -> DTensor | None:
+    """Routed experts' ``grouped_mm`` with every expert's weight split alike over tp, run on the
+    local shards: a column's (``Shard(0)``: output features) reads the rows whole and gives its
+    output features' shard, its input gradient a partial sum; a row's (``Shard(1)``: input
+    features) reads its feature shard of the rows and gives a partial sum (reduced where it
+    becomes the residual). None where the weights are placed otherwise (replicated: DTensor's
+    whole-value fallback runs it)."""
+    x, ws, offs = args
+    if not am.has("tp"):
+        return None
+    pls = {am.tp_of(w) for w in ws if isinstance(w, DTensor)}
+    if len(pls) != 1 or len(ws) != sum(isinstance(w, DTensor) for w in ws):
+        return None
+    (pw,) = pls
+    if pw not in (Shard(0), Shard(1)) or any(not p.is_replicate() for d, p in zip(am.names, ws[0].placements) if d != "tp"):
+        return None
+    whole = am.placements()
+    offs_local = offs.redistribute(am.mesh, whole).to_local() if isinstance(offs, DTensor) else offs
+    local_ws = [w.to_local() for w in ws]
+    if pw == Shard(0):
+        x = x.redistribute(am.mesh, whole)
+        out = grouped_mm(x.to_local(grad_placements=am.placements(tp=Partial())), local_ws, offs_local)
+        pl = am.placements(tp=Shard(1))
+    else:
+        x = x.redistribute(am.mesh, am.placements(tp=Shard(1)))
+        out = grouped_mm(x.to_local(), local_ws, offs_local)
+        pl = am.placements(tp=Partial())
+    shape = torch.Size((x.shape[0], ws[0].shape[0]))
+    return DTensor.from_local(out, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
 def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool,
            send_seq: int | None = None) -> list:
     """Run ``gm``'s nodes on ``values`` (DTensors on ``am`` where TP or CP applies),
@@ -299,6 +331,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
             elif rules is not None and args and isinstance(args[0], DTensor):
                 if n.target == _aten.embedding.default:
                     out = _vocab_embedding(args, kwargs, am)
+                elif n.target == GROUPED_MM:
+                    out = _grouped_linear(args, am)
                 elif n.target in SPLIT_OPS:
                     out = _local_split(args[0], n, args, am)
                 elif n.target == _aten.slice.Tensor:

@@ -2,7 +2,7 @@
 activations change placement. Decided from the data-flow roles of ``roles.step_roles``
 (no module names or types):
 
-- a *column* linear's weight is split along its output features (``Shard``; a fused projection
+- a *column* linear's weight (every expert's, for routed experts' grouped linear) is split along its output features (``Shard``; a fused projection
   split into ``k`` equal parts later gets ``_StridedShard(split_factor=k)`` so each rank holds
   its own heads of every part), its bias likewise; a *row* linear's weight along its input
   features, its bias replicated; the *head* along the vocabulary, and so is the token embedding
@@ -28,6 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.fxops import FEATURE_VIEWS
+from autopar.grouped_mm import GROUPED_MM
 from autopar.roles import Roles
 
 
@@ -81,15 +82,18 @@ def tp_rules(sg, roles: Roles, tp: int, sp: bool, split_head: bool) -> TPRules:
             if lin.bias is not None:
                 ask(lin.bias, Replicate())
         elif lin.role in ("column", "head"):
-            ask(lin.weight, split(lin.weight, lin.out_dim, lin.parts))
+            for w in lin.weights:
+                ask(w, split(w, lin.out_dim, lin.parts))
             if lin.bias is not None:
                 ask(lin.bias, split(lin.bias, 0, lin.parts))
         elif lin.role == "row":
-            ask(lin.weight, split(lin.weight, 1 - lin.out_dim))
+            for w in lin.weights:
+                ask(w, split(w, 1 - lin.out_dim))
             if lin.bias is not None:
                 ask(lin.bias, Replicate())
         elif lin.reason:
-            notes.append(f"{names[lin.weight]}: replicated, {lin.reason}")
+            also = f" (and its {len(lin.weights) - 1} other experts')" if lin.group else ""
+            notes.append(f"{names[lin.weight]}{also}: replicated, {lin.reason}")
     for i in roles.token_tables:
         ask(i, split(i, 0))
     placements = {}
@@ -101,7 +105,7 @@ def tp_rules(sg, roles: Roles, tp: int, sp: bool, split_head: bool) -> TPRules:
             placements[i] = Replicate()
     sharded = {i for i, p in placements.items() if not isinstance(p, Replicate)}
     gathered = {root: nodes for root, nodes in roles.gather_points.items()
-                if any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in nodes)}
+                if any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, GROUPED_MM) for n in nodes)}
     to_residual = set()
     for lin in roles.linears:
         if lin.role == "row" and lin.weight in sharded:
