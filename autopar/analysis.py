@@ -334,7 +334,7 @@ def _block_linears(bt: BlockTrace, found, tokens: int) -> tuple[dict[str, Linear
         lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
         if gl.group:
             lin.group = tuple(bt.param_names[i] for i in gl.group)
-            rows, act = _val(gl.node), _val(gl.act)
+            rows = _val(gl.node)
             lin.rows_per_token = float(rows.shape[0]) / tokens if rows is not None and tokens else 1.0
         # nn.Linear stores its weight (out, in) and transposes it; HF Conv1D stores (in, out).
         lin.transposed_storage = tuple(shape) == (out_f, in_f)

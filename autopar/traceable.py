@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.nn.functional as F
 

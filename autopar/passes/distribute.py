@@ -36,8 +36,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import passes
 from autopar.errors import AutoparError
 from autopar.fxops import ATTENTION_OPS, SPLIT_OPS
-from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
+from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
