@@ -385,14 +385,26 @@ def _hf_source(path: str) -> ModelSource:
     inputs = ((image, "float32"),) if image else ()
 
     def build() -> nn.Module:
+        import contextlib
+
         import transformers
+        from torch._subclasses.fake_tensor import FakeTensor
+        from transformers.modeling_utils import no_init_weights
 
         cfg = transformers.AutoConfig.for_model(**raw)
         if hasattr(cfg, "use_cache"):
             cfg.use_cache = False
         cfg._attn_implementation = attn
         auto = "AutoModelForImageClassification" if image else _LM_CLASSES[meta.get("task", "causal")][1]
-        model = getattr(transformers, auto).from_config(cfg, attn_implementation=attn)
+        # Built on fake or meta tensors (planning): transformers' weight initialisation (a call per
+        # module on values that do not exist; half of building DeepSeek-V3's 15,000 experts) is
+        # skipped, and with it the tying of weights, which is done here. Real weights are initialised.
+        probe = torch.empty(0)
+        shapes_only = probe.is_meta or isinstance(probe, FakeTensor)
+        with no_init_weights() if shapes_only else contextlib.nullcontext():
+            model = getattr(transformers, auto).from_config(cfg, attn_implementation=attn)
+        if shapes_only:
+            model.tie_weights()
         return SameIds(model) if meta.get("task") == "seq2seq" else model
 
     # The model's own name where the config has one (a hub id), else the file's.
