@@ -146,6 +146,24 @@ def _clear(sides) -> None:
     gc.collect()
 
 
+def alternate_steps(sides: dict, steps: int) -> tuple[dict, dict]:
+    """A warm-up step, then ``steps`` timed steps of each side in turn (gradients cleared, every
+    rank in step before and after): each side's first loss and its step times."""
+    losses, times = {}, {k: [] for k in sides}
+    for i in range(1 + steps):
+        for side, (fn, _) in sides.items():
+            _clear(sides)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = fn()
+            dist.barrier()
+            if i == 0:
+                losses[side] = float(loss.detach())
+            else:
+                times[side].append(time.perf_counter() - t0)
+    return losses, times
+
+
 def _setup(world: int, name: str, layers: int, compile: bool, mp: str, model: str):
     """autopar's compiled model and FSDP2's, of the same weights, and the batch."""
     import autopar
@@ -206,18 +224,7 @@ def _run(name, layers, steps, compile, mp, model) -> dict:
     ids, tgt, pm, ref, dp, setup = _setup(world, name, layers, compile, mp, model)
     sides = _side_by_side(ids, tgt, pm, ref, pm._dp_rank, dp)
     out = {"name": name, "layers": layers, "plan": pm.plan.as_config_string(), "autopar_setup_s": setup}
-    losses, times = {}, {k: [] for k in sides}
-    for i in range(1 + steps):
-        for side, (fn, _) in sides.items():
-            _clear(sides)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = fn()
-            dist.barrier()
-            if i == 0:
-                losses[side] = float(loss.detach())
-            else:
-                times[side].append(time.perf_counter() - t0)
+    losses, times = alternate_steps(sides, steps)
     for side, (fn, _) in sides.items():
         # The median of three: when gloo's threads let go of a finished collective's buffers moves
         # autopar's peak (its collectives run asynchronously) by up to 100 MiB from step to step.

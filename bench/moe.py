@@ -33,7 +33,7 @@ import torch.distributed as dist
 from autopar import launch, traceable
 from autopar.memory import allocator_peaks
 from bench.common import write
-from bench.memory import _clear, fsdp2_model
+from bench.memory import _clear, alternate_steps, fsdp2_model
 
 HIDDEN, FFN, EXPERTS, TOP_K, HEADS, VOCAB = 256, 512, 8, 2, 8, 512
 BATCH, SEQ, WORLD = 4, 256, 2
@@ -108,18 +108,7 @@ def _run(layers: int, steps: int) -> dict:
         return loss
 
     sides["fsdp2"] = (fsdp2_step, ref)
-    losses, times = {}, {k: [] for k in sides}
-    for i in range(1 + steps):
-        for side, (fn, _) in sides.items():
-            _clear(sides)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = fn()
-            dist.barrier()
-            if i == 0:
-                losses[side] = float(loss.detach())
-            else:
-                times[side].append(time.perf_counter() - t0)
+    losses, times = alternate_steps(sides, steps)
     for side, (fn, _) in sides.items():
         peaks = []
         for _ in range(3):
