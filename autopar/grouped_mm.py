@@ -10,8 +10,8 @@ the routed form is one static graph that spends the experts' active FLOPs. Its b
 same operator on the weights' transposes (input gradient) and ``grouped_mm_wgrad`` (each
 expert's weight gradient from its rows).
 
-On a GPU in bfloat16 the work runs as ``torch._grouped_mm`` (one kernel); elsewhere (CPU, fp32)
-as one ``mm`` per expert over its rows. FLOPs are registered with torch's flop counter (2 per
+On a GPU in bfloat16 the work runs as ``torch._grouped_mm`` (one kernel); elsewhere (CPU, fp32,
+or where that kernel refuses the inputs, said once) as one ``mm`` per expert over its rows. FLOPs are registered with torch's flop counter (2 per
 multiply-add of the rows that run), so the cost model prices what runs.
 """
 
@@ -25,14 +25,29 @@ def _bounds(offs: torch.Tensor) -> list[int]:
     return [0, *offs.tolist()]
 
 
-def _one_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in weights)
+_KERNEL = {"usable": True}
+
+
+def _one_kernel(*tensors: torch.Tensor) -> bool:
+    return _KERNEL["usable"] and all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
+
+
+def _kernel_failed(e: Exception) -> None:
+    """``torch._grouped_mm`` refused these inputs (a GPU before Hopper, unaligned shapes): the
+    per-expert matmuls compute the same from now on, said once."""
+    import logging
+
+    _KERNEL["usable"] = False
+    logging.getLogger(__name__).warning("torch._grouped_mm failed (%s); routed experts run one matmul per expert", e)
 
 
 @torch.library.custom_op("autopar::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, weights: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
-    if _one_kernel(x, weights):
-        return torch._grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offs.to(torch.int32))
+    if _one_kernel(x, *weights):
+        try:
+            return torch._grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offs.to(torch.int32))
+        except RuntimeError as e:
+            _kernel_failed(e)
     out = x.new_zeros(x.shape[0], weights[0].shape[0])
     b = _bounds(offs)
     for e, w in enumerate(weights):
@@ -49,8 +64,11 @@ def _(x, weights, offs):
 @torch.library.custom_op("autopar::grouped_mm_wgrad", mutates_args=())
 def grouped_mm_wgrad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, n: int) -> list[torch.Tensor]:
     """Each of the ``n`` experts' weight gradient ``grad[rows].T @ x[rows]`` (``(out, in)``)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16:
-        return list(torch._grouped_mm(grad.t(), x, offs=offs.to(torch.int32)).unbind(0))
+    if _one_kernel(grad, x):
+        try:
+            return list(torch._grouped_mm(grad.t(), x, offs=offs.to(torch.int32)).unbind(0))
+        except RuntimeError as e:
+            _kernel_failed(e)
     b = _bounds(offs)
     return [grad[b[e]:b[e + 1]].t() @ x[b[e]:b[e + 1]] for e in range(n)]
 
