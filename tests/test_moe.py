@@ -246,3 +246,25 @@ def test_experts_with_other_parameters_run_dense_and_are_priced_so():
         return sum(c[0] for c in _node_costs(gm, set()).values())
 
     assert expert_flops(4) == expert_flops(2)
+
+
+def test_tp_reduces_expert_gradients_over_tokens_not_their_rows():
+    """Under TP the experts' sorted rows are picked from the gathered tokens inside the local
+    region, so the gate and up projections' input gradient stays a partial sum through the pick and
+    is all-reduced once per layer over the tokens (with attention's), never over the tokens x top_k
+    rows; the forward reduces the down projection's tokens x top_k rows, as the plan prices it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "moe_collectives.py")], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    tokens = 4 * 2 * 16 * d["hidden"]  # fp32 bytes of the step's tokens x hidden (2 sequences of 16)
+    got = d["got"]
+    backward = {k: v for k, v in got.items() if k.startswith("backward:")}
+    assert backward == {f"backward:all_reduce:{tokens}": backward.get(f"backward:all_reduce:{tokens}")}, got
+    assert got[f"forward:all_reduce:{tokens * d['top_k']}"] == 2  # one per layer

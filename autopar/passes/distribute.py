@@ -225,13 +225,15 @@ def _vocab_embedding(args: tuple, kwargs: dict, am: ActMesh) -> DTensor | None:
                               stride=_contiguous_stride(shape))
 
 
-def _grouped_linear(args: tuple, am: ActMesh) -> DTensor | None:
+def _grouped_linear(args: tuple, am: ActMesh, pick=None) -> DTensor | None:
     """Routed experts' ``grouped_mm`` with every expert's weight split alike over tp, run on the
     local shards: a column's (``Shard(0)``: output features) reads the rows whole and gives its
-    output features' shard, its input gradient a partial sum; a row's (``Shard(1)``: input
-    features) reads its feature shard of the rows and gives a partial sum (reduced where it
-    becomes the residual). None where the weights are placed otherwise (replicated: DTensor's
-    whole-value fallback runs it)."""
+    output features' shard; a row's (``Shard(1)``: input features) reads its feature shard of the
+    rows and gives a partial sum (reduced where it becomes the residual). ``pick``: for a column
+    whose rows are picked from the token matrix ``args[0]`` (the tokens in expert order), the
+    row indices: the pick runs locally too, so the input gradient stays a partial sum through it
+    and is reduced once, over the tokens (where they were gathered), not over tokens x top_k rows.
+    None where the weights are placed otherwise (replicated: DTensor's whole-value fallback runs it)."""
     x, ws, offs = args
     if not am.has("tp"):
         return None
@@ -241,19 +243,38 @@ def _grouped_linear(args: tuple, am: ActMesh) -> DTensor | None:
     (pw,) = pls
     if pw not in (Shard(0), Shard(1)) or any(not p.is_replicate() for d, p in zip(am.names, ws[0].placements) if d != "tp"):
         return None
+    if pick is not None and pw != Shard(0):
+        return None
     whole = am.placements()
-    offs_local = offs.redistribute(am.mesh, whole).to_local() if isinstance(offs, DTensor) else offs
+
+    def local(t):
+        return t.redistribute(am.mesh, whole).to_local() if isinstance(t, DTensor) else t
+
+    offs_local = local(offs)
     local_ws = [w.to_local() for w in ws]
     if pw == Shard(0):
         x = x.redistribute(am.mesh, whole)
-        out = grouped_mm(x.to_local(grad_placements=am.placements(tp=Partial())), local_ws, offs_local)
+        rows = x.to_local(grad_placements=am.placements(tp=Partial()))
+        if pick is not None:
+            rows = rows[local(pick)]
+        out = grouped_mm(rows, local_ws, offs_local)
         pl = am.placements(tp=Shard(1))
     else:
         x = x.redistribute(am.mesh, am.placements(tp=Shard(1)))
-        out = grouped_mm(x.to_local(), local_ws, offs_local)
+        rows = x.to_local()
+        out = grouped_mm(rows, local_ws, offs_local)
         pl = am.placements(tp=Partial())
-    shape = torch.Size((x.shape[0], ws[0].shape[0]))
+    shape = torch.Size((rows.shape[0], ws[0].shape[0]))
     return DTensor.from_local(out, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
+def _picked_tokens(n: torch.fx.Node):
+    """For a ``grouped_mm`` whose rows are ``tokens[idx]`` (one index on dim 0): (tokens, idx)."""
+    a = n.args[0]
+    if (isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target == _aten.index.Tensor
+            and len(a.args[1]) == 1 and isinstance(a.args[1][0], torch.fx.Node)):
+        return a.args[0], a.args[1][0], a
+    return None
 
 
 def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool,
@@ -332,7 +353,12 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                 if n.target == _aten.embedding.default:
                     out = _vocab_embedding(args, kwargs, am)
                 elif n.target == GROUPED_MM:
-                    out = _grouped_linear(args, am)
+                    picked = _picked_tokens(n)
+                    if picked is not None:
+                        tokens, idx, index = picked
+                        out = _grouped_linear((arg(tokens, index), *args[1:]), am, pick=env[idx])
+                    if out is None:
+                        out = _grouped_linear(args, am)
                 elif n.target in SPLIT_OPS:
                     out = _local_split(args[0], n, args, am)
                 elif n.target == _aten.slice.Tensor:
