@@ -118,7 +118,7 @@ class BlockProfile:
     def rows(self) -> float:
         """Row outputs reduced per layer under TP, in tokens x hidden messages (a routed experts'
         row reduces each token's ``top_k`` rows)."""
-        per = {l.weight: l.rows_per_token for l in self.linears}
+        per = {l.weight.rsplit(".", 1)[0]: l.rows_per_token for l in self.linears}  # by module, as tp_groups
         return sum(per.get(g[2], 1.0) for g in self.tp_groups)
 
     @property

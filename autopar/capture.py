@@ -48,44 +48,49 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _param_listing(m: nn.Module, own: dict) -> list[tuple[str, tuple, int]]:
+    """``m``'s parameters as ``named_parameters`` lists them, ``(name, shape, id)``, from its
+    children's listings (``own``: id(module) -> listing, shared so each module is listed once)."""
+    if id(m) in own:
+        return own[id(m)]
+    seen, out = set(), []
+    for n, p in m._parameters.items():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            out.append((n, tuple(p.shape), id(p)))
+    for c, child in m._modules.items():
+        if child is None:
+            continue
+        for n, shape, pid in _param_listing(child, own):
+            if pid not in seen:
+                seen.add(pid)
+                out.append((f"{c}.{n}", shape, pid))
+    own[id(m)] = out
+    return out
+
+
+def _signature(m: nn.Module, listing: list) -> str:
+    return f"{type(m).__name__}[{','.join(f'{n}:{shape}' for n, shape, _ in listing)}]"
+
+
 def layer_signature(m: nn.Module) -> str:
-    shapes = ",".join(f"{n}:{tuple(p.shape)}" for n, p in m.named_parameters())
-    return f"{type(m).__name__}[{shapes}]"
+    """A module's class and its parameters' names and shapes: equal for repeated layers."""
+    return _signature(m, _param_listing(m, {}))
 
 
 def _module_params(model: nn.Module) -> dict[str, list[tuple[str, tuple, int]]]:
-    """Each module of ``model`` holding parameters, by name: its parameters as ``named_parameters``
-    lists them ``(name, shape, id)``, built once from the leaves up (each parameter listed once
-    per enclosing module, not walked again for each: DeepSeek-V3's 15,000 experts in 61 layers)."""
-    own: dict[int, list] = {}
-
-    def listing(m: nn.Module) -> list:
-        if id(m) in own:
-            return own[id(m)]
-        seen, out = set(), []
-        for n, p in m._parameters.items():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append((n, tuple(p.shape), id(p)))
-        for c, child in m._modules.items():
-            if child is None:
-                continue
-            for n, shape, pid in listing(child):
-                if pid not in seen:
-                    seen.add(pid)
-                    out.append((f"{c}.{n}", shape, pid))
-        own[id(m)] = out
-        return out
-
-    return {name: listing(m) for name, m in model.named_modules() if listing(m)}
+    """Each module of ``model`` holding parameters, by name, with its ``_param_listing``, built once
+    from the leaves up (each parameter listed once per enclosing module, not walked again for
+    each: DeepSeek-V3's 15,000 experts in 61 layers)."""
+    own: dict = {}
+    return {name: ps for name, m in model.named_modules() if (ps := _param_listing(m, own))}
 
 
 def layer_signatures(model: nn.Module, params: dict | None = None) -> dict[str, str]:
     """``layer_signature`` of every module of ``model`` holding parameters, by name."""
     params = _module_params(model) if params is None else params
     mods = dict(model.named_modules())
-    return {name: f"{type(mods[name]).__name__}[{','.join(f'{n}:{shape}' for n, shape, _ in ps)}]"
-            for name, ps in params.items()}
+    return {name: _signature(mods[name], ps) for name, ps in params.items()}
 
 
 def vocab_size_of(model: nn.Module, given: int | None) -> int:

@@ -11,8 +11,9 @@ same operator on the weights' transposes (input gradient) and ``grouped_mm_wgrad
 expert's weight gradient from its rows).
 
 On a GPU in bfloat16 the work runs as ``torch._grouped_mm`` (one kernel); elsewhere (CPU, fp32,
-or where that kernel refuses the inputs, said once) as one ``mm`` per expert over its rows. FLOPs are registered with torch's flop counter (2 per
-multiply-add of the rows that run), so the cost model prices what runs.
+or where that kernel refuses the inputs, said once) as one ``mm`` per expert over its rows.
+FLOPs are registered with torch's flop counter (2 per multiply-add of the rows that run), so the
+cost model prices what runs.
 """
 
 from __future__ import annotations

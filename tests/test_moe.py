@@ -184,6 +184,10 @@ def test_experts_run_on_their_tokens_only_one_grouped_linear_each():
     by_name = {sg.param_names[lin.weight].rsplit(".", 2)[-2]: lin for lin in found.linears if lin.group}
     assert {k: v.role for k, v in by_name.items()} == {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
     assert all(len(lin.group) == 4 for lin in by_name.values())
+    # Priced per layer: the row reduces of attention and the shared expert, and the experts' over
+    # tokens x top_k rows (2 messages).
+    prof = api.profile_model(model, seq_len=16).profile
+    assert [b.rows for b in prof.blocks] == [1 + 1 + 2]
     rules = tp_rules(sg, found, 2, True, True)
     want = {"gate_proj": "S(0)", "up_proj": "S(0)", "down_proj": "S(1)"}
     for i, name in enumerate(sg.param_names):

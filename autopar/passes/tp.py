@@ -2,8 +2,9 @@
 activations change placement. Decided from the data-flow roles of ``roles.step_roles``
 (no module names or types):
 
-- a *column* linear's weight (every expert's, for routed experts' grouped linear) is split along its output features (``Shard``; a fused projection
-  split into ``k`` equal parts later gets ``_StridedShard(split_factor=k)`` so each rank holds
+- a *column* linear's weight (every expert's, for routed experts' grouped linear) is split
+  along its output features (``Shard``; a fused projection split into ``k`` equal parts later
+  gets ``_StridedShard(split_factor=k)`` so each rank holds
   its own heads of every part), its bias likewise; a *row* linear's weight along its input
   features, its bias replicated; the *head* along the vocabulary, and so is the token embedding
   table (``Shard(0)``; one placement serves both when they are tied);
