@@ -65,7 +65,11 @@ class Linear:
     transposed_storage: bool = True  # weight stored (out, in) as nn.Linear; False for Conv1D
     parts: int = 1  # a fused column's equal parts (q, k, v), split in interleaved parts
     group: tuple[str, ...] = ()  # routed experts' grouped linear: every expert's weight (``weight`` the first)
-    rows_per_token: float = 1.0  # rows of its input per token (routed experts: top_k)
+    # A row linear's partial sums are reduced at node ``reduce_at`` (``roles.Roles.reduce_at``), a
+    # value of ``reduce_rows`` x tokens x its output features (routed experts reduced before their
+    # combine: top_k; after it, like a dense row: 1).
+    reduce_at: str = ""
+    reduce_rows: float = 1.0
 
 
 @dataclass
@@ -116,10 +120,13 @@ class BlockProfile:
 
     @property
     def rows(self) -> float:
-        """Row outputs reduced per layer under TP, in tokens x hidden messages (a routed experts'
-        row reduces each token's ``top_k`` rows)."""
-        per = {l.weight.rsplit(".", 1)[0]: l.rows_per_token for l in self.linears}  # by module, as tp_groups
-        return sum(per.get(g[2], 1.0) for g in self.tp_groups)
+        """Partial sums reduced per layer under TP, in tokens x hidden messages: one per reduce
+        point of the groups' row linears (rows whose sums meet before the residual, as a shared
+        and the routed experts', reduce once)."""
+        grouped = {g[2] for g in self.tp_groups}
+        ends = {l.reduce_at or l.node: l.reduce_rows for l in self.linears
+                if l.role == "row" and l.weight.rsplit(".", 1)[0] in grouped}
+        return sum(ends.values())
 
     @property
     def tp_linears(self) -> int:
@@ -334,8 +341,12 @@ def _block_linears(bt: BlockTrace, found, tokens: int) -> tuple[dict[str, Linear
         lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
         if gl.group:
             lin.group = tuple(bt.param_names[i] for i in gl.group)
-            rows = _val(gl.node)
-            lin.rows_per_token = float(rows.shape[0]) / tokens if rows is not None and tokens else 1.0
+        if gl.node in found.reduce_at:
+            end = found.reduce_at[gl.node]
+            lin.reduce_at = end.name
+            val = _val(end)
+            if val is not None and tokens:
+                lin.reduce_rows = float(val.numel()) / (tokens * out_f)
         # nn.Linear stores its weight (out, in) and transposes it; HF Conv1D stores (in, out).
         lin.transposed_storage = tuple(shape) == (out_f, in_f)
         if gl.role in ("column", "row"):

@@ -93,6 +93,7 @@ class Roles:
     gather_points: dict  # residual node -> set of nodes (view chains, linears) that read it gathered
     columns_of: dict  # row linear node -> its column linear nodes
     region: dict  # row linear node -> the nodes from its columns to it (TP-local: divided by the degree)
+    reduce_at: dict  # row linear node -> the node where its partial sums are reduced (``_reduce_points``)
 
 
 def _is_2d_transpose(n: torch.fx.Node) -> bool:
@@ -215,6 +216,14 @@ def _token_rows(x: torch.fx.Node, linears: dict) -> bool:
     expert order): the tokens are gathered before the pick, once for all the experts' rows."""
     return (x.target == _aten.index.Tensor and len(x.args[1]) == 1
             and all(u in linears and linears[u].group for u in x.users))
+
+
+def _read_as_tokens(x: torch.fx.Node, linears: dict) -> bool:
+    """``x`` (a view) is read only as linears' input (one linear, or a block's router, shared
+    and routed experts): it is gathered where its source is, before the view, once for them all
+    (under SP the source's sequence shards are gathered whole; the view of them stays local)."""
+    return len(x.users) == 1 or all((u in linears and linears[u].act is x) or _token_rows(u, linears)
+                                    for u in x.users)
 
 
 def step_roles(sg) -> Roles:
@@ -377,11 +386,70 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
         if lin.role not in ("column", "head"):
             continue
         chain, x = [lin.node], lin.act
-        while x.op == "call_function" and ((x.target in FEATURE_VIEWS and len(x.users) == 1)
+        while x.op == "call_function" and ((x.target in FEATURE_VIEWS and _read_as_tokens(x, linears))
                                            or (lin.group and _token_rows(x, linears))):
             chain.append(x)
             x = x.args[0]
         gather_points.setdefault(x, set()).update(chain)
     rows = {n for n, lin in linears.items() if lin.role == "row"}
     return Roles(list(linears.values()), residual, token_tables, gather_points,
-                 {r: c for r, c in columns_of.items() if r in rows}, {r: b for r, b in region.items() if r in rows})
+                 {r: c for r, c in columns_of.items() if r in rows}, {r: b for r, b in region.items() if r in rows},
+                 _reduce_points(gm, [n for n in linears if n in rows]))
+
+
+# Ops linear in their first operand and in no other: a partial sum passes through them unreduced.
+_LINEAR_IN_FIRST = {*FEATURE_VIEWS, _aten.index.Tensor, _aten.select.int, _aten.unsqueeze.default,
+                    _aten.squeeze.dim, _aten._to_copy.default, _aten.clone.default, _aten.sum.dim_IntList,
+                    _aten.permute.default, _aten.transpose.int, _aten.div.Tensor}
+_SUMS = {_aten.add.Tensor, _aten.sub.Tensor}
+_ZEROS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default}
+
+
+def _keeps_partial(n: torch.fx.Node, partial: set) -> bool:
+    """Whether ``n`` applied to partial sums (the nodes ``partial``) gives a partial sum."""
+    ins = [a in partial for a in n.all_input_nodes]
+    if n.target in _LINEAR_IN_FIRST:
+        return n.args[0] in partial and sum(ins) == 1
+    if n.target == _aten.mul.Tensor:
+        return sum(ins) == 1
+    if n.target in _SUMS:
+        return any(ins) and all(a in partial or (a.op == "call_function" and a.target in _ZEROS)
+                                for a in n.all_input_nodes)
+    return False
+
+
+def _reduce_points(gm: torch.fx.GraphModule, rows: list) -> dict:
+    """Where each row linear's partial sums are reduced over TP: after the ops that keep them
+    partial on the way back to the residual stream (views; routed experts' weighting, reordering
+    and adding of each token's rows; a shared expert's gate and its sum with the routed experts';
+    parallel attention and MLP outputs added), so one reduce of tokens x features serves them all.
+    A row whose partial sums reach more than one such end is reduced right after its views."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    cone, stack = set(), list(rows)
+    while stack:
+        for u in stack.pop().users:
+            if u not in cone and u.op == "call_function" and u.target in _LINEAR_IN_FIRST | _SUMS | {_aten.mul.Tensor}:
+                cone.add(u)
+                stack.append(u)
+    partial = set(rows)
+    for n in sorted(cone, key=order.__getitem__):
+        if _keeps_partial(n, partial):
+            partial.add(n)
+    out = {}
+    for r in rows:
+        ends, seen, stack = set(), {r}, [r]
+        while stack:
+            n = stack.pop()
+            if any(u not in partial for u in n.users):
+                ends.add(n)
+            for u in n.users:
+                if u in partial and u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+        if len(ends) == 1:
+            (out[r],) = ends
+        else:
+            out[r] = r
+            while len(out[r].users) == 1 and next(iter(out[r].users)).target in FEATURE_VIEWS:
+                out[r] = next(iter(out[r].users))
+    return out

@@ -184,10 +184,13 @@ def test_experts_run_on_their_tokens_only_one_grouped_linear_each():
     by_name = {sg.param_names[lin.weight].rsplit(".", 2)[-2]: lin for lin in found.linears if lin.group}
     assert {k: v.role for k, v in by_name.items()} == {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
     assert all(len(lin.group) == 4 for lin in by_name.values())
-    # Priced per layer: the row reduces of attention and the shared expert, and the experts' over
-    # tokens x top_k rows (2 messages).
+    # The shared and the routed experts' partial sums meet before the residual stream and are
+    # reduced once there, over the tokens: priced per layer as attention's reduce and that one.
+    rows = {sg.param_names[lin.weight]: lin.node for lin in found.linears if lin.role == "row"}
+    ends = {name.split(".mlp.")[-1].split(".")[0]: found.reduce_at[n] for name, n in rows.items() if ".mlp." in name}
+    assert set(ends) == {"shared_expert", "experts"} and len({ends["shared_expert"], ends["experts"]}) == 1
     prof = api.profile_model(model, seq_len=16).profile
-    assert [b.rows for b in prof.blocks] == [1 + 1 + 2]
+    assert [b.rows for b in prof.blocks] == [1 + 1]
     rules = tp_rules(sg, found, 2, True, True)
     want = {"gate_proj": "S(0)", "up_proj": "S(0)", "down_proj": "S(1)"}
     for i, name in enumerate(sg.param_names):
@@ -252,23 +255,42 @@ def test_experts_with_other_parameters_run_dense_and_are_priced_so():
     assert expert_flops(4) == expert_flops(2)
 
 
-def test_tp_reduces_expert_gradients_over_tokens_not_their_rows():
-    """Under TP the experts' sorted rows are picked from the gathered tokens inside the local
-    region, so the gate and up projections' input gradient stays a partial sum through the pick and
-    is all-reduced once per layer over the tokens (with attention's), never over the tokens x top_k
-    rows; the forward reduces the down projection's tokens x top_k rows, as the plan prices it."""
+@pytest.mark.parametrize("sp", [0, 1])
+def test_tp_collectives_are_the_priced_ones_over_tokens_not_their_rows(sp):
+    """Under TP (with and without SP) a routed experts' block moves what a dense MLP moves, as
+    the plan prices it: the tokens gathered once at the block's input (router and experts read
+    them), the experts' partial sums kept through their weighting and combine and reduced once
+    over the tokens where they rejoin the residual stream, never over the tokens x top_k rows;
+    in the backward the mirror images. Besides, only the routing weights' gradients (tokens x
+    top_k values) are all-reduced where they are made."""
     import json
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "moe_collectives.py")], capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "moe_collectives.py"), str(sp)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
-    tokens = 4 * 2 * 16 * d["hidden"]  # fp32 bytes of the step's tokens x hidden (2 sequences of 16)
-    got = d["got"]
-    backward = {k: v for k, v in got.items() if k.startswith("backward:")}
-    assert backward == {f"backward:all_reduce:{tokens}": backward.get(f"backward:all_reduce:{tokens}")}, got
-    assert got[f"forward:all_reduce:{tokens * d['top_k']}"] == 2  # one per layer
+    msg = 4 * 2 * 16 * d["hidden"]  # fp32 bytes of the step's tokens x hidden (2 sequences of 16)
+    full = {"all_gather_into_tensor": ("all_gather", msg), "reduce_scatter_tensor": ("reduce_scatter", msg // 2),
+            "all_reduce": ("all_reduce", msg)}  # a reduce-scatter is recorded by its output (1/tp)
+    executed, small = {}, []
+    for key, count in d["got"].items():
+        graph, kind, nbytes = key.rsplit(":", 2)
+        if full[kind][1] == int(nbytes):
+            executed[full[kind][0]] = executed.get(full[kind][0], 0) + count
+        else:
+            assert int(nbytes) < msg // 2, key  # nothing of tokens x top_k rows, nothing else of tokens x hidden
+            small += [(graph, kind, int(nbytes))] * count
+    assert executed == {k.split(":")[0]: v for k, v in d["plan"].items() if int(float(k.split(":")[1])) == msg}
+    assert executed == ({"all_gather": 5 * 2, "reduce_scatter": 5 * 2} if sp else {"all_reduce": 5 * 2})
+    # Besides: the loss's three per-token all-reduces (loss parallelism); each layer's routing weights'
+    # gradient (tokens x top_k fp32 values); under SP also the five norms' weight gradients
+    # (hidden fp32 values, the same 256 bytes here).
+    per_token, top_k_values = 4 * 2 * 16, 4 * 2 * 16 * d["top_k"]
+    assert d["hidden"] * 4 == top_k_values
+    assert {kind for _, kind, _ in small} == {"all_reduce"}, small
+    assert sum(b for g, _, b in small if g == "forward") == 3 * per_token, small
+    assert sum(b for g, _, b in small if g == "backward") == (2 + 5 * sp) * top_k_values, small

@@ -849,10 +849,12 @@ def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tu
     m = ctx.model
     msg = cfg.mb / cfg.cp * m.seq_len * m.hidden * ctx.act_bytes
     if segment == "pre":  # an image or latent model has no token table: its input layer is replicated
-        out = [("all_reduce", msg, 1, 0, "vocab-parallel embedding output")] if m.pre.params_vocab else []
-        if cfg.sp:  # the residual stream splits at the first block: its gradient is gathered
-            out.append(("all_gather", msg, 0, 1, "SP: residual stream gradient at the first block"))
-        return out
+        if not cfg.sp:
+            return [("all_reduce", msg, 1, 0, "vocab-parallel embedding output")] if m.pre.params_vocab else []
+        # The residual stream splits at the first block: the embedding's partial sums are
+        # reduce-scattered into it (or a replicated input layer's output split), its gradient gathered.
+        out = [("reduce_scatter", msg, 1, 0, "SP: vocab-parallel embedding output")] if m.pre.params_vocab else []
+        return out + [("all_gather", msg, 0, 1, "SP: residual stream gradient at the first block")]
     if not (m.post.params_vocab or m.tied_outside[0]):  # a head kept whole (not under a cross-entropy)
         return [("all_gather", msg, 1, 0, "SP: head input")] if cfg.sp else []
     # Loss parallelism: the logits stay split; three all-reduces of one fp32 value per token

@@ -247,25 +247,41 @@ def _grouped_linear(args: tuple, am: ActMesh, pick=None) -> DTensor | None:
         return None
     whole = am.placements()
 
+    def to(t, pl):  # a redistribute to the same placements would still reduce a partial gradient
+        return t if tuple(t.placements) == tuple(pl) else t.redistribute(am.mesh, pl)
+
     def local(t):
-        return t.redistribute(am.mesh, whole).to_local() if isinstance(t, DTensor) else t
+        return to(t, whole).to_local() if isinstance(t, DTensor) else t
 
     offs_local = local(offs)
     local_ws = [w.to_local() for w in ws]
     if pw == Shard(0):
-        x = x.redistribute(am.mesh, whole)
-        rows = x.to_local(grad_placements=am.placements(tp=Partial()))
+        rows = to(x, whole).to_local(grad_placements=am.placements(tp=Partial()))
         if pick is not None:
             rows = rows[local(pick)]
         out = grouped_mm(rows, local_ws, offs_local)
         pl = am.placements(tp=Shard(1))
     else:
-        x = x.redistribute(am.mesh, am.placements(tp=Shard(1)))
-        rows = x.to_local()
+        rows = to(x, am.placements(tp=Shard(1))).to_local()
         out = grouped_mm(rows, local_ws, offs_local)
         pl = am.placements(tp=Partial())
     shape = torch.Size((rows.shape[0], ws[0].shape[0]))
     return DTensor.from_local(out, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
+def _scaled_partial(args: tuple, am: ActMesh) -> DTensor | None:
+    """A partial sum over tp times a smaller replicated value (routed experts' rows by their
+    routing weights, a shared expert's output by its gate): the scale's gradient, a partial sum of
+    the scale's size, is all-reduced where it is made. Left to DTensor it is scattered over tokens,
+    and the router's backward runs on token shards whose input gradient is gathered again."""
+    a, b = args
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor) and am.has("tp")):
+        return None
+    p, r = (a, b) if am.tp_of(a).is_partial() else (b, a)
+    if not (am.tp_of(p).is_partial() and am.tp_of(r).is_replicate() and r.requires_grad and r.numel() < p.numel()):
+        return None
+    r = DTensor.from_local(r.to_local(), am.mesh, r.placements, run_check=False, shape=r.shape, stride=r.stride())
+    return p * r if p is a else r * p
 
 
 def _picked_tokens(n: torch.fx.Node):
@@ -359,6 +375,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                         out = _grouped_linear((arg(tokens, index), *args[1:]), am, pick=env[idx])
                     if out is None:
                         out = _grouped_linear(args, am)
+                elif n.target == _aten.mul.Tensor and len(args) == 2:
+                    out = _scaled_partial(args, am)
                 elif n.target in SPLIT_OPS:
                     out = _local_split(args[0], n, args, am)
                 elif n.target == _aten.slice.Tensor:

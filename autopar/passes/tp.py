@@ -28,7 +28,6 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.fxops import FEATURE_VIEWS
 from autopar.grouped_mm import GROUPED_MM
 from autopar.roles import Roles
 
@@ -48,15 +47,6 @@ def placement_str(p) -> str:
     if isinstance(p, Shard):
         return f"S({p.dim})"
     return "R"
-
-
-def _end_of_views(n: torch.fx.Node) -> torch.fx.Node:
-    while len(n.users) == 1:
-        (u,) = n.users
-        if u.op != "call_function" or u.target not in FEATURE_VIEWS:
-            break
-        n = u
-    return n
 
 
 def tp_rules(sg, roles: Roles, tp: int, sp: bool, split_head: bool) -> TPRules:
@@ -110,7 +100,7 @@ def tp_rules(sg, roles: Roles, tp: int, sp: bool, split_head: bool) -> TPRules:
     to_residual = set()
     for lin in roles.linears:
         if lin.role == "row" and lin.weight in sharded:
-            to_residual.add(_end_of_views(lin.node))
+            to_residual.add(roles.reduce_at[lin.node])
     for n in roles.residual:
         if n.op == "placeholder" or (n.op == "call_function" and n.target == torch.ops.aten.embedding.default):
             to_residual.add(n)
