@@ -231,9 +231,12 @@ class ModelProfile:
         return list(self.layers) or sorted((f for b in self.blocks for f in b.fqns), key=fqn_index)
 
     def tp_divisors(self) -> dict[str, int]:
+        """What a TP degree must divide, of every distinct block (named by its first layer
+        where there are several: Swin's stages have the same weights with other head counts)."""
         out: dict[str, int] = {}
         for b in self.blocks:
-            out.update(b.tp_divisors)
+            for k, v in b.tp_divisors.items():
+                out[f"{b.fqns[0]}.{k}" if len(self.blocks) > 1 and b.fqns else k] = v
         return out
 
     def max_tp_check(self, tp: int) -> list[str]:

@@ -311,3 +311,17 @@ def test_a_module_traced_again_is_analysed_once(monkeypatch, tmp_path):
     cfg = models.PRESETS["llama-tiny"]
     profile(models.Llama(dataclasses.replace(cfg, n_layers=2, ffn_dim=cfg.ffn_dim + 32)))
     assert len(analysed) == 2
+
+
+def test_tp_degree_must_divide_every_blocks_heads():
+    """Swin's stages are blocks of the same weights with 2 and 4 heads: a TP degree is checked
+    against each (a degree only the later stage's heads allow was taken, and DTensor then failed
+    mid-trace on the first stage's 2 heads)."""
+    from tests import zoo
+
+    xs, y = zoo.example("hf-swin", 1, B=2)
+    prof = analysis.analyze(capture.trace_model(lambda: zoo.build("hf-swin"), batch=2, seq_len=None, example_inputs=xs,
+                                                example_target=y, loss_fn=zoo.loss_of("hf-swin")))
+    assert len(prof.blocks) > 1 and not prof.max_tp_check(2)
+    bad = prof.max_tp_check(4)
+    assert bad and all("heads (2)" in b and ".layers.0." in b for b in bad), bad
