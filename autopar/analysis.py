@@ -495,8 +495,11 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
     # The roles (column, row, replicated) from the one role finder, the executor's; here only priced.
     found = find_roles(gm, {placeholders[i]: i for i in range(n_params)},
                        [n for n in tensor_ph if n.name in hidden_ph])
-    hidden_vals = [_val(nodes[h]) for h in hidden_ph]
-    tokens = math.prod(hidden_vals[0].shape[:-1]) if hidden_vals and hidden_vals[0] is not None else 0
+    # The block's tokens: rows of its first hidden input (a decoder block's own hidden states, not
+    # the encoder's output it attends to), in argument order.
+    first = next((tensor_ph[i] for i in bt.hidden_input_idx if i < len(tensor_ph)), None)
+    first_val = _val(first) if first is not None else None
+    tokens = math.prod(first_val.shape[:-1]) if first_val is not None else 0
     linears, bias_of, tp_nodes = _block_linears(bt, found, tokens)
     _find_heads(linears, nodes)
 
@@ -579,8 +582,9 @@ def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byt
     forward tagged by the AC pass's own policy (``passes.ac.recompute_policy``); full AC the
     input. Returns {} when the block cannot be traced this way (the eager ``saved`` is used then)."""
     try:
-        none = _partition_saved(bt, batch, tp_nodes, hidden_bytes, row_nodes)
-        sel = _partition_saved(bt, batch, tp_nodes, hidden_bytes, row_nodes, ac="selective")
+        j, n_outs = _block_joint(bt)
+        none = _partition_saved(_graph_copy(j), n_outs, batch, tp_nodes, hidden_bytes, row_nodes)
+        sel = _partition_saved(_graph_copy(j), n_outs, batch, tp_nodes, hidden_bytes, row_nodes, ac="selective")
     except Exception as e:  # noqa: BLE001 - a block this recipe cannot trace: the eager estimate stands
         import logging
 
@@ -589,10 +593,16 @@ def partitioned_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byt
     return {"none": none, "selective": sel, "full": (0.0, hidden_bytes, 0.0)}
 
 
-def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_bytes: float,
-                     row_nodes: set[str] = frozenset(), ac: str = "none"):
+def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph (each node's meta a copy of the dict: tags set on it stay there)."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, g)
+
+
+def _block_joint(bt: BlockTrace) -> tuple[torch.fx.GraphModule, int]:
+    """The block's joint forward and backward, traced on its fake tensors, and its outputs' count."""
     import torch.fx.traceback as fx_traceback
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -632,7 +642,14 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
     with detect_fake_mode(vals):
         tangents = [torch.empty(v.shape, dtype=v.dtype) for v in float_outs]
         with fx_traceback.preserve_node_meta():
-            j = make_fx(joint, tracing_mode="real")(vals, tangents)
+            return make_fx(joint, tracing_mode="real")(vals, tangents), len(outs)
+
+
+def _partition_saved(j: torch.fx.GraphModule, n_outs: int, batch: int, tp_nodes: set[str], hidden_bytes: float,
+                     row_nodes: set[str] = frozenset(), ac: str = "none"):
+    """Saved bytes of a block's joint ``j`` split as the executor splits it, under ``ac``."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
     if ac != "none":
         from autopar.passes.ac import forward_nodes, recompute_policy
 
@@ -641,7 +658,7 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
             # The block's outputs are the forward's outputs here (made once, not recomputed).
             if policy is not None and not any(u.op == "output" for u in n.users):
                 n.meta.update(recompute=policy, ac_graph_id=1)
-    fw, _ = min_cut_rematerialization_partition(j, None, num_fwd_outputs=len(outs))
+    fw, _ = min_cut_rematerialization_partition(j, None, num_fwd_outputs=n_outs)
     (fo,) = fw.graph.find_nodes(op="output")
     params = {ph.meta["val"].untyped_storage()._cdata for ph in fw.graph.find_nodes(op="placeholder")}
     # A row linear's output is whole under TP (partial sums, before their reduction) and under SP
@@ -651,7 +668,7 @@ def _partition_saved(bt: BlockTrace, batch: int, tp_nodes: set[str], hidden_byte
             if ac != "none" and n.meta.get("custom", {}).get("source", "") in row_nodes
             and isinstance(n.meta.get("val"), torch.Tensor)}
     seen: dict = {}
-    for a in fo.args[0][len(outs):]:
+    for a in fo.args[0][n_outs:]:
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         if not isinstance(v, torch.Tensor) or a.op == "placeholder":
             continue

@@ -132,7 +132,8 @@ def is_token_ids(t: Any) -> bool:
 
 def output_logits(model: nn.Module, inputs: tuple) -> torch.Tensor:
     """The logits ``model`` returns for ``inputs``, as a fake tensor: a forward on fake tensors
-    (shapes only, nothing computed, the model's own tensors untouched)."""
+    (shapes only, nothing computed, the model's own tensors untouched) through the first layer of
+    each kind, the others passing its output on (a model built for planning holds only their shapes)."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -143,6 +144,8 @@ def output_logits(model: nn.Module, inputs: tuple) -> torch.Tensor:
     if own is not None:  # floating inputs in the parameters' dtype, as the step casts them
         with mode:
             fakes = tuple(x.to(own) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in fakes)
+    layers = find_layers(model)
+    undo = _pass_on_repeats(model, layers, _repeats(model, layers))
     try:
         with mode, torch.no_grad():
             return logits_of(model(*fakes))
@@ -150,6 +153,9 @@ def output_logits(model: nn.Module, inputs: tuple) -> torch.Tensor:
         raise
     except Exception as e:
         raise _trace_error(e, f"the forward of {type(model).__name__}") from e
+    finally:
+        for u in undo:
+            u()
 
 
 def default_target(model: nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> torch.Tensor:
@@ -237,28 +243,50 @@ def no_init():
             setattr(init, k, v)
 
 
-def _built_on_meta(build: Callable[[], nn.Module], mode) -> nn.Module:
-    """``build()`` on the meta device, its parameters and buffers then made fake CPU tensors of
-    ``mode``: for a constructor that reads a value it computed (Swin's drop-path rates,
-    ``torch.linspace(..., device="cpu").item()``), which a fake tensor does not have; a factory
-    call that names the CPU runs for real there, everything else allocates nothing."""
+def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, list[str] | None]:
+    """``build()`` on the meta device: shapes only, nothing allocated and no fake-tensor dispatch
+    per parameter (DeepSeek-V3's 45k expert linears). A constructor that reads a value it computed
+    (Swin's drop-path rates, ``torch.linspace(..., device="cpu").item()``) works: a factory call
+    that names the CPU runs for real there. The parameters and buffers a planning trace reads,
+    those outside the layers after the first of their kind (``_repeats``), are then made fake CPU
+    tensors of ``mode`` (so are tensors kept as plain attributes); the repeats' stay meta (their
+    shapes are all the planner reads), a parameter they share with the rest becoming the same fake. Returns the model and its layers
+    (``find_layers``)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     with torch.device("meta"), no_init():
         model = build()
+    if not isinstance(model, nn.Module):
+        return model, None
     cpu = torch.device("cpu")
+    layers = find_layers(model)
+    skip = tuple(f"{n}." for n in _repeats(model, layers))
+    made: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
-        return FakeTensor(mode, t.to("meta"), cpu)
+        if id(t) not in made:
+            f = FakeTensor(mode, t.to("meta"), cpu)
+            made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return made[id(t)]
 
-    for mod in model.modules():
-        for k, p in list(mod._parameters.items()):
-            if p is not None:
-                mod._parameters[k] = nn.Parameter(fake(p.data), requires_grad=p.requires_grad)
-        for k, b in list(mod._buffers.items()):
-            if b is not None:
-                mod._buffers[k] = fake(b)
-    return model
+    repeats = []
+    for name, mod in model.named_modules():
+        for k, t in list(vars(mod).items()):  # a tensor kept as a plain attribute (GPT-J's scale)
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                setattr(mod, k, fake(t))
+        if skip and f"{name}.".startswith(skip):
+            repeats.append(mod)
+            continue
+        for slots in (mod._parameters, mod._buffers):
+            for k, t in list(slots.items()):
+                if t is not None:
+                    slots[k] = fake(t)
+    for mod in repeats:
+        for slots in (mod._parameters, mod._buffers):
+            for k, t in list(slots.items()):
+                if t is not None and id(t) in made:
+                    slots[k] = made[id(t)]
+    return model, layers
 
 
 def trace_model(
@@ -276,24 +304,14 @@ def trace_model(
     """Trace ``build_or_model`` on fake tensors at (batch, seq_len) token inputs, or at
     ``example_inputs`` (then the sequence is the tokens per sample where the layers run)."""
     t0 = time.perf_counter()
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        FakeTensor,
-        FakeTensorMode,
-    )
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     prev = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
-        if isinstance(build_or_model, nn.Module):
-            model = build_or_model
-        else:
-            try:
-                with mode, no_init():
-                    model = build_or_model()
-            except DataDependentOutputException:
-                model = _built_on_meta(build_or_model, mode)
+        model, layers = (build_or_model, None) if isinstance(build_or_model, nn.Module) else \
+            _built_on_meta(build_or_model, mode)
     except Exception as e:
         raise _trace_error(e, f"the construction of {name}", (
             "The model is built under FakeTensorMode (shapes only, nothing allocated): the factory must "
@@ -315,7 +333,7 @@ def trace_model(
     target = example_target if example_target is not None else default_target(model, inputs, loss_fn)
     try:
         sg = trace_step(model, inputs, target=target, loss_fn=loss_fn, name=name, first_layers_only=True,
-                        target_kernels=True, param_dtype=dtype if dtype.is_floating_point else None)
+                        target_kernels=True, param_dtype=dtype if dtype.is_floating_point else None, layers=layers)
     finally:
         with torch.no_grad():
             for b, v in kept:
@@ -504,6 +522,7 @@ def trace_step(
     model: nn.Module, inputs: tuple, *, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
     name: str = "model", first_layers_only: bool = False, target_kernels: bool = False,
     param_dtype: torch.dtype | None = None, output_dtype: torch.dtype | None = None,
+    layers: list[str] | None = None,
 ) -> StepGraph:
     """Trace ``model``'s forward on ``inputs`` (and the loss against ``target`` when given) to one
     ATen graph, on fake tensors: nothing is computed and no memory of the model's size is used.
@@ -515,9 +534,11 @@ def trace_step(
     ``target_kernels`` prices what the target GPU runs rather than this host (``_TargetKernels``).
     ``param_dtype``: the floating-point parameters and inputs enter in this dtype (mixed precision:
     the forward as FSDP2 runs it, on parameters and inputs cast to the compute dtype; buffers keep theirs);
-    ``output_dtype``: the model's floating-point outputs are cast to it (FSDP2's ``output_dtype``)."""
-    layers = find_layers(model)
-    unused = tuple(f"{layer}." for layer in _repeats(model, layers)) if first_layers_only else ()
+    ``output_dtype``: the model's floating-point outputs are cast to it (FSDP2's ``output_dtype``);
+    ``layers``: ``find_layers(model)`` when the caller has it."""
+    layers = find_layers(model) if layers is None else layers
+    repeats = _repeats(model, layers) if first_layers_only else []
+    unused = tuple(f"{layer}." for layer in repeats)
     pnames, params, aliases = unique_parameters(model, skip=unused)
     named_buffers = [(n, b) for n, b in model.named_buffers() if not (unused and n.startswith(unused))]
     bnames = [n for n, _ in named_buffers]
@@ -588,7 +609,7 @@ def trace_step(
         handles = _module_annotations(model, layers)
         if layers:
             handles.append(mods[layers[0]].register_forward_pre_hook(lambda *_: box.__setitem__("entered", True)))
-        undo = _pass_on_repeats(model, layers) if first_layers_only else []
+        undo = _pass_on_repeats(model, layers, repeats)
         try:
             with fx_traceback.preserve_node_meta():
                 from torch.fx.experimental.proxy_tensor import make_fx
@@ -685,10 +706,10 @@ def _repeats(model: nn.Module, layers: list[str]) -> list[str]:
     return out
 
 
-def _pass_on_repeats(model: nn.Module, layers: list[str]) -> list[Callable[[], None]]:
+def _pass_on_repeats(model: nn.Module, layers: list[str], repeats: list[str]) -> list[Callable[[], None]]:
     """Make every layer after the first of its kind return the output of the last layer that
-    ran (same shapes and types), so a trace holds one layer of each kind; returns what undoes it."""
-    repeats = _repeats(model, layers)
+    ran (same shapes and types), so a trace holds one layer of each kind; ``repeats``: those
+    layers (``_repeats``). Returns what undoes it."""
     if not repeats:
         return []
     mods = dict(model.named_modules())

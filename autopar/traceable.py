@@ -41,8 +41,9 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
     ``torch.compile``/``torch.export`` see it (``torch.compiler.is_compiling()`` true), which is
     the documented signal for libraries to take their traceable path (transformers then skips,
     e.g., OPT's ``torch.all(attention_mask == 1)`` shortcut), with ``model``'s token-routed
-    mixture-of-experts blocks in their fixed-shape form (``routed_experts``). If that fails too,
-    the error names the line the second trace stopped at."""
+    mixture-of-experts blocks in their fixed-shape form (``routed_experts``; a model with such
+    blocks is traced that way at once). If that fails too, the error names the line the second
+    trace stopped at."""
     import contextlib
 
     import torch.compiler as tc
@@ -57,6 +58,14 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
                     stack.enter_context(_RoutedForm(model))
             return trace()
 
+    if model is not None and not tc._is_compiling_flag and routed_experts(model):
+        # A routed-experts block's own loop is value-dependent (tokens per expert): a first trace
+        # would stop there after tracing what comes before; go straight to the export path.
+        tc._is_compiling_flag = True
+        try:
+            return attempt()
+        finally:
+            tc._is_compiling_flag = False
     try:
         return attempt()
     except TraceError as first:

@@ -408,7 +408,14 @@ class StageModel:
         return self._cache[key]
 
     def _average(self) -> LayerCoeffs:
-        cs = [self.block[id(b)] for b in self.layers]
+        """The layers' mean coefficients, shared by the configurations whose layers' are the same."""
+        key = ("average", *(id(self.block[id(b)]) for b in self.ctx.model.blocks))
+        if key not in self._cache:
+            self._cache[key] = self._average_of([self.block[id(b)] for b in self.layers])
+        return self._cache[key]
+
+    @staticmethod
+    def _average_of(cs: list) -> LayerCoeffs:
         n = len(cs)
         avg = lambda get: sum(get(c) for c in cs) / n  # noqa: E731
         return LayerCoeffs(
