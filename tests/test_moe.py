@@ -40,7 +40,7 @@ def test_experts_priced_at_active_flops_and_all_parameters():
     assert prof.n_params == sum(p.numel() for p in two.parameters())
 
 
-@pytest.mark.parametrize("kind", ["hf-qwen2-moe", "hf-mixtral"])
+@pytest.mark.parametrize("kind", ["hf-qwen2-moe", "hf-qwen3-moe", "hf-mixtral"])
 def test_fixed_shape_form_matches_the_block(kind):
     torch.manual_seed(0)
     model = zoo.build(kind)

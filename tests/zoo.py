@@ -50,6 +50,10 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cfg = tf.Qwen2MoeConfig(**llama_like, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
         cls = tf.Qwen2MoeForCausalLM
+    elif kind == "hf-qwen3-moe":  # 4 routed experts (top 2, renormalised), no shared expert; per-head q/k norms
+        cfg = tf.Qwen3MoeConfig(**llama_like, head_dim=8, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        cls = tf.Qwen3MoeForCausalLM
     elif kind == "hf-mixtral":  # 4 experts, top 2 renormalised, no jitter
         cfg = tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
                                sliding_window=None)
