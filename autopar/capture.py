@@ -250,8 +250,8 @@ def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, lis
     that names the CPU runs for real there. The parameters and buffers a planning trace reads,
     those outside the layers after the first of their kind (``_repeats``), are then made fake CPU
     tensors of ``mode`` (so are tensors kept as plain attributes); the repeats' stay meta (their
-    shapes are all the planner reads), a parameter they share with the rest becoming the same fake. Returns the model and its layers
-    (``find_layers``)."""
+    shapes are all the planner reads), a parameter they share with the rest becoming the same
+    fake. Returns the model and its layers (``find_layers``)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     with torch.device("meta"), no_init():
@@ -314,7 +314,7 @@ def trace_model(
             _built_on_meta(build_or_model, mode)
     except Exception as e:
         raise _trace_error(e, f"the construction of {name}", (
-            "The model is built under FakeTensorMode (shapes only, nothing allocated): the factory must "
+            "The model is built on the meta device (shapes only, nothing allocated): the factory must "
             "build it from its config alone, without reading weights or data; load weights after "
             "autopar.compile")) from e
     finally:

@@ -446,10 +446,12 @@ def _reduce_points(gm: torch.fx.GraphModule, rows: list) -> dict:
                 if u in partial and u not in seen:
                     seen.add(u)
                     stack.append(u)
-        if len(ends) == 1:
-            (out[r],) = ends
-        else:
-            out[r] = r
-            while len(out[r].users) == 1 and next(iter(out[r].users)).target in FEATURE_VIEWS:
-                out[r] = next(iter(out[r].users))
+        out[r] = next(iter(ends)) if len(ends) == 1 else _end_of_views(r)
     return out
+
+
+def _end_of_views(n: torch.fx.Node) -> torch.fx.Node:
+    """The last of the views that alone follow ``n``."""
+    while len(n.users) == 1 and next(iter(n.users)).target in FEATURE_VIEWS:
+        n = next(iter(n.users))
+    return n

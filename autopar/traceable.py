@@ -58,29 +58,29 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
                     stack.enter_context(_RoutedForm(model))
             return trace()
 
-    if model is not None and not tc._is_compiling_flag and routed_experts(model):
-        # A routed-experts block's own loop is value-dependent (tokens per expert): a first trace
-        # would stop there after tracing what comes before; go straight to the export path.
+    def exported():
         tc._is_compiling_flag = True
         try:
             return attempt()
         finally:
             tc._is_compiling_flag = False
+
+    if model is not None and not tc._is_compiling_flag and routed_experts(model):
+        # A routed-experts block's own loop is value-dependent (tokens per expert): a first trace
+        # would stop there after tracing what comes before; go straight to the export path.
+        return exported()
     try:
         return attempt()
     except TraceError as first:
         if not data_dependent(first) or tc._is_compiling_flag:
             raise
-        tc._is_compiling_flag = True
         try:
-            return attempt()
+            return exported()
         except TraceError as second:
             if str(second) == str(first):
                 raise first from None
             raise TraceError(f"{second} (traced twice: the first trace stopped at another value-dependent line, "
                              "and the export path, torch.compiler.is_compiling() true, passed it but stops here)") from None
-        finally:
-            tc._is_compiling_flag = False
 
 
 class _ScalarDraw(float):

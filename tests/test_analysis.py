@@ -325,3 +325,17 @@ def test_tp_degree_must_divide_every_blocks_heads():
     assert len(prof.blocks) > 1 and not prof.max_tp_check(2)
     bad = prof.max_tp_check(4)
     assert bad and all("heads (2)" in b and ".layers.0." in b for b in bad), bad
+
+
+def test_an_encoder_decoders_row_reduces_are_priced_over_its_own_tokens():
+    """Each row linear of mT5 (encoder and decoder blocks: a decoder block also reads the
+    encoder's output) reduces one tokens x hidden message: its rows per token are counted over
+    the block's own hidden states, its first hidden input (they were counted over whichever
+    hidden input a set's order gave first, which varies with the process's hash seed)."""
+    from tests import zoo
+
+    xs, y = zoo.example("hf-mt5", 1, B=2, S=16)
+    prof = analysis.analyze(capture.trace_model(lambda: zoo.build("hf-mt5"), batch=2, seq_len=16, example_inputs=xs,
+                                                example_target=y, loss_fn=zoo.loss_of("hf-mt5")))
+    rows = [(b.fqns[0], l.weight, l.reduce_rows) for b in prof.blocks for l in b.linears if l.role == "row"]
+    assert len(rows) >= 4 and all(r == 1.0 for _, _, r in rows), rows

@@ -408,7 +408,7 @@ class StageModel:
         return self._cache[key]
 
     def _average(self) -> LayerCoeffs:
-        """The layers' mean coefficients, shared by the configurations whose layers' are the same."""
+        """The layers' mean coefficients, shared by the configurations whose layer coefficients are the same."""
         key = ("average", *(id(self.block[id(b)]) for b in self.ctx.model.blocks))
         if key not in self._cache:
             self._cache[key] = self._average_of([self.block[id(b)] for b in self.layers])

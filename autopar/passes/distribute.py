@@ -280,8 +280,15 @@ def _scaled_partial(args: tuple, am: ActMesh) -> DTensor | None:
     p, r = (a, b) if am.tp_of(a).is_partial() else (b, a)
     if not (am.tp_of(p).is_partial() and am.tp_of(r).is_replicate() and r.requires_grad and r.numel() < p.numel()):
         return None
-    r = DTensor.from_local(r.to_local(), am.mesh, r.placements, run_check=False, shape=r.shape, stride=r.stride())
+    r = _gradient_reduced_here(r)
     return p * r if p is a else r * p
+
+
+def _gradient_reduced_here(x: DTensor) -> DTensor:
+    """``x`` (replicated) as it is, with its gradient made replicated where it arrives: a partial
+    gradient is all-reduced there (``from_local``'s backward), not left for later ops to place."""
+    return DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                              stride=x.stride())
 
 
 def _picked_tokens(n: torch.fx.Node):
@@ -320,9 +327,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
         else an all-reduce (Megatron's f), which ``from_local`` of a replicated value does."""
         if isinstance(x, DTensor) and not am.tp_of(x).is_replicate():
             return to_tp(x, Replicate())  # backward: reduce-scatter
-        x = to_tp(x, Replicate())
-        return DTensor.from_local(x.to_local(), am.mesh, x.placements, run_check=False, shape=x.shape,
-                                  stride=x.stride())
+        return _gradient_reduced_here(to_tp(x, Replicate()))
 
     def arg(a, node):
         if isinstance(env[a], Unread):  # a parameter's first use: gather it here
