@@ -70,6 +70,7 @@ class Linear:
     # combine: top_k; after it, like a dense row: 1).
     reduce_at: str = ""
     reduce_rows: float = 1.0
+    in_rows: float = 1.0  # a grouped linear's input rows per token of the block (routed experts: top_k)
 
 
 @dataclass
@@ -127,6 +128,12 @@ class BlockProfile:
         ends = {l.reduce_at or l.node: l.reduce_rows for l in self.linears
                 if l.role == "row" and l.weight.rsplit(".", 1)[0] in grouped}
         return sum(ends.values())
+
+    @property
+    def experts(self) -> tuple[int, float] | None:
+        """Routed experts: (experts, rows per token: top_k) of the block's grouped linears, or None."""
+        lin = next((l for l in self.linears if l.group), None)
+        return (len(lin.group), lin.in_rows) if lin is not None else None
 
     @property
     def tp_linears(self) -> int:
@@ -344,6 +351,9 @@ def _block_linears(bt: BlockTrace, found, tokens: int) -> tuple[dict[str, Linear
         lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
         if gl.group:
             lin.group = tuple(bt.param_names[i] for i in gl.group)
+            rows = _val(gl.node.args[0])
+            if rows is not None and tokens:
+                lin.in_rows = float(rows.shape[0]) / tokens
         if gl.node in found.reduce_at:
             end = found.reduce_at[gl.node]
             lin.reduce_at = end.name

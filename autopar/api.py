@@ -397,7 +397,7 @@ def estimate_plan(
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
         schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
         fsdp_once=kv.get("once", ""), fsdp_unit=kv.get("unit", "layer"), dp_overlap=kv.get("dp_overlap", True),
-        cp=cp, prefetch=kv.get("prefetch", 1),
+        cp=cp, prefetch=kv.get("prefetch", 1), ep=kv.get("ep", 1),
     )
     validate_config(ctx, cfg, priced_only=True)
     sm = StageModel(ctx, cfg)
@@ -448,7 +448,7 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         model_name=m.name, model_fingerprint=m.fingerprint, world_size=world, hardware=ctx.hw.name,
         precision=ctx.precision, global_batch=ctx.global_batch, seq_len=m.seq_len, tp=cfg.tp,
         pp=cfg.pp, dp=cfg.dp, dp_shard=cfg.dp_shard if cfg.fsdp else 1, sp=cfg.sp, fsdp=cfg.fsdp,
-        reshard_after_forward=cfg.reshard, fsdp_prefetch=cfg.prefetch, cp=cfg.cp, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
+        reshard_after_forward=cfg.reshard, fsdp_prefetch=cfg.prefetch, cp=cfg.cp, ep=cfg.ep, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
         schedule=cfg.schedule if cfg.pp > 1 else "none", v=cfg.v, layers=tuple(layers),
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
         runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,
@@ -712,7 +712,18 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
     if p.tp > 1:
         lay.tp_mesh = mesh["tp"]
     lay.act_mesh = ActMesh.of(mesh, tuple(d for d in ("cp", "tp") if getattr(p, d) > 1))
+    if p.ep > 1:
+        from autopar.passes.ep import EPGroup
+
+        lay.ep = EPGroup(ep_mesh(mesh, p).get_group().group_name, p.ep)
     return lay, rules
+
+
+def ep_mesh(mesh, p: Plan):
+    """The ``ep`` ranks of this rank: ``ep`` consecutive ranks of the data-parallel ones
+    (``dp_replicate x dp_shard`` flattened, innermost first), a 1-D mesh."""
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return dp._unflatten(0, (p.dp // p.ep, p.ep), ("dp_mod_ep", "ep"))["ep"]
 
 
 def world_mesh(device: str, p: Plan):
@@ -1011,6 +1022,10 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     p = _resolve_plan(plan, model, world, prof, example_inputs=example_inputs, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, loss_fn=loss_fn, device=device,
                       precision=mixed.precision)
+    if p.ep > 1 and (p.tp > 1 or p.cp > 1 or p.pp > 1):
+        raise AutoparError(f"expert parallelism (ep={p.ep}) runs with data parallelism only for now; "
+                           f"this plan also has {', '.join(f'{k}={getattr(p, k)}' for k in ('tp', 'cp', 'pp') if getattr(p, k) > 1)}"
+                           ": plan with ep=1, or with tp=cp=pp=1")
     if p.cp > 1 and not capture.is_token_ids(example_inputs[0]):
         raise AutoparError(f"context parallelism (cp={p.cp}) splits sequences of token ids over ranks; this model "
                            f"takes {tuple(example_inputs[0].shape)} {example_inputs[0].dtype} inputs: plan with cp=1")

@@ -100,6 +100,14 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     return _boxed(art)
 
 
+def _static_stride(v) -> tuple | None:
+    """A traced input's strides where they are numbers (not a tensor, or sized by the data: None)."""
+    if not isinstance(v, torch.Tensor):
+        return None
+    st = tuple(v.stride())
+    return st if all(isinstance(x, int) for x in st) else None
+
+
 def _fake_mode_kw(vals) -> dict:
     """``standalone_compile``'s ``fake_mode`` argument, where this torch has it (2.13 does; the
     2.11 that GPU images carry does not, and infers the mode from the inputs)."""
@@ -232,14 +240,13 @@ def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
             step.n_input_grads = graphs.n_input_grads
             step.bw_input = compiled(graphs, "bw_input", "backward (input gradients)")
             step.bw_weight = compiled(graphs, "bw_weight", "backward (weight gradients)")
-            step.bw_weight_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None
-                                      for v in _example(graphs.bw_weight)]
+            step.bw_weight_strides = [_static_stride(v) for v in _example(graphs.bw_weight)]
     finally:
         if ordered and first:
             dist.barrier()
     step.inductor = inductor
     step.fallbacks = compiled.fallbacks
-    step.bw_strides = [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in _example(bw)]
+    step.bw_strides = [_static_stride(v) for v in _example(bw)]
     step.compile_s = time.perf_counter() - t0
     log.info("backend: %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)
     return step

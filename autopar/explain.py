@@ -248,7 +248,7 @@ def render_executed(info, *, width: int | None = None) -> str:
             t.add_column(c, min_width=14 if c == "kind" else None)  # "reduce_scatter" whole
         for r in recs:
             kind = r["kind"].removesuffix("_into_tensor").removesuffix("_tensor")  # all_gather, reduce_scatter
-            t.add_row(r["graph"], kind, str(r["group_size"]), f"{r['bytes'] / 2**20:.3f}", r.get("dtype", ""),
+            t.add_row(r["graph"], kind, str(r["group_size"]), _mib(r["bytes"]), r.get("dtype", ""),
                       r["pass"], r["source"] or r["module"])
         con.print(t)
     for name, lines in info.notes.items():
@@ -257,6 +257,10 @@ def render_executed(info, *, width: int | None = None) -> str:
     if info.timings:
         con.print("pass times: " + ", ".join(f"{k} {v:.2f}s" for k, v in info.timings.items()))
     return buf.getvalue()
+
+
+def _mib(nbytes: int | None) -> str:
+    return f"{nbytes / 2**20:.3f}" if nbytes is not None else "routed"  # None: sized by the routed rows
 
 
 def render_compile_time(info) -> str:

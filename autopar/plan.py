@@ -21,7 +21,7 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1
                   "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 # What a plan can be pinned to (``--pin``, ``estimate --plan``, ``autopar.compile(plan=...)``).
 PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
-            "dp_overlap", "cp", "prefetch"}
+            "dp_overlap", "cp", "prefetch", "ep"}
 # How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
 ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
                  "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
@@ -159,6 +159,9 @@ class Plan:
     # Context parallelism: each sequence split over ``cp`` ranks (a mesh dim between dp_shard and
     # tp); FSDP shards the parameters over dp_shard x cp. ``dp`` counts the batch's splits only.
     cp: int = 1
+    # Expert parallelism: each routed experts' block's experts split over ``ep`` ranks carved out
+    # of the data-parallel ones (not a mesh dim of its own: ``ep`` divides ``dp``).
+    ep: int = 1
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------
@@ -195,6 +198,8 @@ class Plan:
              f"mb={self.mb},ac={self.ac_summary() if ':' not in self.ac_summary() else 'mixed'}")
         if self.cp > 1:
             s += f",cp={self.cp}"
+        if self.ep > 1:
+            s += f",ep={self.ep}"
         if self.pp > 1:
             s += f",schedule={self.schedule},v={self.v}"
         if self.fsdp and self.fsdp_prefetch != 1:

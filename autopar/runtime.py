@@ -302,7 +302,11 @@ class _RunGraphs(torch.autograd.Function):
         runner.busy_s += time.perf_counter() - t0
         n = runner.compiled.n_outputs
         ctx.runner = runner
-        ctx.saved = [o for o in outs[n:] if isinstance(o, torch.Tensor)]
+        # The partitioner's order: the forward returns the saved tensors, then the sizes it saved
+        # (data-dependent ones, as expert parallelism's routed row counts); the backward takes
+        # the sizes first.
+        ctx.saved = [o for o in outs[n:] if not isinstance(o, torch.Tensor)] + [
+            o for o in outs[n:] if isinstance(o, torch.Tensor)]
         ctx.metas = [(a.device_mesh, a.placements, a.shape, a.stride()) if hasattr(a, "_local_tensor") else None
                      for a in args]
         result = tuple(outs[:n])

@@ -59,6 +59,7 @@ from autopar.cost_models.step import (
     divisors,
     valid_tp_degrees,
     validate_cp,
+    validate_ep,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.plan import ESTIMATE_ONLY, PIN_KEYS
@@ -170,6 +171,7 @@ def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
     if pins.get("sp") and pins.get("tp", 2) == 1:
         raise AutoparError("sp=1 needs tp > 1")
     validate_cp(m, pins.get("cp", 1))
+    validate_ep(m, pins.get("ep", 1), pins.get("dp"))
     if pins.get("sp") and pins.get("tp", 1) > 1 and m.seq_len % pins["tp"]:
         raise AutoparError(f"sp=1 splits each {m.seq_len}-token sequence over tp={pins['tp']} ranks, which does not "
                            f"divide it; use sp=0, or a tp that divides {m.seq_len}")
@@ -202,7 +204,7 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
             if pp > m.n_layers or ("pp" in pins and pp != pins["pp"]):
                 continue
             dp = world // (tp * pp * cp)
-            if B % dp or ("dp" in pins and dp != pins["dp"]):
+            if B % dp or ("dp" in pins and dp != pins["dp"]) or dp % pins.get("ep", 1):
                 continue
             for mb in divisors(B // dp):
                 if "mb" in pins and mb != pins["mb"]:
@@ -233,7 +235,7 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                             if "reshard" in pins and fsdp and reshard != pins["reshard"]:
                                 continue
                             out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v,
-                                              prefetch=pins.get("prefetch", 1), cp=cp))
+                                              prefetch=pins.get("prefetch", 1), cp=cp, ep=pins.get("ep", 1)))
     return out
 
 

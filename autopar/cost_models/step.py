@@ -94,12 +94,15 @@ class Config:
     # Context parallelism: each sequence split over ``cp`` ranks (between dp_shard and tp in the
     # mesh), attention gathering the keys and values of the whole sequence (ring attention with
     # all-gathered K/V, torchtitan's and torch's ``context_parallel``); FSDP shards the parameters
-    # over dp_shard x cp and gradients are reduced over dp x cp. Priced for published runs; the
-    # search never sets it (autopar's executor does not split sequences).
+    # over dp_shard x cp and gradients are reduced over dp x cp (passes/cp.py).
     cp: int = 1
     # FSDP buckets (layers) gathered ahead of their use: with reshard, (1 + prefetch) layers'
     # gathered parameters are alive at once (passes/overlap.py; FSDP2's default is 1).
     prefetch: int = 1
+    # Expert parallelism: a routed experts' block's experts split over ``ep`` consecutive
+    # data-parallel ranks (``ep`` divides ``dp``), each token's rows sent to their experts' ranks
+    # and back by all-to-alls (passes/ep.py).
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -117,7 +120,7 @@ class Config:
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
                 int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit,
-                int(self.dp_overlap), self.cp, self.prefetch)
+                int(self.dp_overlap), self.cp, self.prefetch, self.ep)
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -133,6 +136,8 @@ class Config:
             s += ",dp_overlap=0"
         if self.cp > 1:
             s += f",cp={self.cp}"
+        if self.ep > 1:
+            s += f",ep={self.ep}"
         if self.pp > 1:
             s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
         return s
@@ -918,6 +923,7 @@ def validate_config(ctx: CostContext, cfg: Config, *, priced_only: bool = False)
     if cfg.sp and cfg.tp == 1:
         raise AutoparError("sequence parallelism needs tp > 1")
     validate_cp(m, cfg.cp)
+    validate_ep(m, cfg.ep, cfg.dp)
     if cfg.sp and m.seq_len % cfg.tp:
         raise AutoparError(f"sequence parallelism splits the {m.seq_len}-token sequence over tp={cfg.tp} ranks, which does "
                            f"not divide it; use a sequence length that is a multiple of {cfg.tp}, or sp=0")
@@ -935,6 +941,23 @@ def validate_cp(m: ModelProfile, cp: int) -> None:
     if missing:
         raise AutoparError(f"cp={cp}: the analysis found no attention heads in {', '.join(sorted(set(missing)))} "
                            f"of {m.name}, so what context parallelism gathers cannot be priced; use cp=1")
+
+
+def validate_ep(m: ModelProfile, ep: int, dp: int | None = None) -> None:
+    """Refuse an expert-parallel degree the model's experts or the data-parallel ranks cannot take."""
+    if ep == 1:
+        return
+    counts = {b.experts[0] for b in m.blocks if b.experts}
+    if not counts:
+        raise AutoparError(f"ep={ep}: {m.name} has no routed experts (a mixture-of-experts block whose experts "
+                           "are linears), so there is nothing to split over ep ranks; use ep=1")
+    bad = sorted(e for e in counts if e % ep)
+    if bad:
+        raise AutoparError(f"ep={ep} does not divide the {bad[0]} experts of {m.name}'s blocks; choose an ep that "
+                           f"divides {math.gcd(*counts)}")
+    if dp is not None and dp % ep:
+        raise AutoparError(f"ep={ep} ranks are carved out of the data-parallel ones, and dp={dp} is not a multiple of "
+                           f"{ep}; choose an ep that divides dp")
 
 
 def valid_tp_degrees(m: ModelProfile, limit: int = 512) -> list[int]:

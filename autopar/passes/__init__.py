@@ -230,10 +230,12 @@ def collective_record(n: torch.fx.Node) -> dict:
         size = n.args[1] if kind != "all_reduce" and isinstance(n.args[1], int) else None
     val = n.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
-    nbytes = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+    sizes = [v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)]
+    # None: sized by the data (expert parallelism's routed rows), known only when it runs.
+    nbytes = sum(sizes) if all(isinstance(b, int) for b in sizes) else None
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if isinstance(v, torch.Tensor)})
     from autopar.passes.overlap import DP_PASS
 
     custom = n.meta.get("custom", {})
-    return {"kind": kind, "group": str(group), "group_size": size, "bytes": int(nbytes), "dtype": ",".join(dtypes),
+    return {"kind": kind, "group": str(group), "group_size": size, "bytes": nbytes, "dtype": ",".join(dtypes),
             "pass": custom.get("pass") or n.meta.get(DP_PASS, "?"), "source": custom.get("source", ""), "module": custom.get("module", "")}

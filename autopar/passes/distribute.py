@@ -38,6 +38,7 @@ from autopar.errors import AutoparError
 from autopar.fxops import ATTENTION_OPS, SPLIT_OPS
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.passes import ep as ep_pass
 from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param
 from autopar.passes.tp import TPRules
@@ -62,6 +63,7 @@ class Layout:
     dp_dims: tuple = ()
     dp_submeshes: dict = field(default_factory=dict)  # fsdp.sub_meshes(dp_mesh), sliced before tracing
     dp_size: int = 1
+    ep: ep_pass.EPGroup | None = None  # expert parallelism: this rank's ep group (passes/ep.py)
     # Mixed precision: each parameter is read in ``compute`` dtype (cast before its gather) and
     # its gradient reduced in ``reduce`` dtype; None: the parameters' own dtype throughout.
     compute: torch.dtype | None = None
@@ -301,9 +303,10 @@ def _picked_tokens(n: torch.fx.Node):
 
 
 def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool,
-           send_seq: int | None = None) -> list:
+           send_seq: int | None = None, ep: ep_pass.EPGroup | None = None) -> list:
     """Run ``gm``'s nodes on ``values`` (DTensors on ``am`` where TP or CP applies),
-    redistributing as ``rules`` say; attention and the mean loss over split sequences as ``cp`` does.
+    redistributing as ``rules`` say; attention and the mean loss over split sequences as ``cp`` does;
+    routed experts over the ``ep`` group as ``passes/ep.py`` does.
     The outputs come back whole, or with ``send_seq`` (a pipeline stage's under CP) split along
     a sequence of that length as ``cp.sent`` sends them."""
     env: dict = {}
@@ -311,6 +314,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     phs = iter(values)
     act = Shard(1) if sp else Replicate()
     split_seq = am is not None and am.has("cp")
+    expert_blocks = ep_pass.blocks(gm) if ep is not None else {}
 
     def to_tp(x, p):
         if not isinstance(x, DTensor):
@@ -361,7 +365,9 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arg(a, n))
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
-            if split_seq and n.target in ATTENTION_OPS:
+            if n in expert_blocks:
+                out = ep_pass.grouped(n, args, expert_blocks[n], ep)
+            elif split_seq and n.target in ATTENTION_OPS:
                 with fx_traceback.annotate({"pass": "cp"}):
                     kv_nodes = (n.args[1], n.args[2]) if len(n.args) > 2 else (None, None)
                     out = cp.attention(n.target, args, kwargs, am, n.meta["val"][0], len(n.meta["val"]), kv_nodes, env)
@@ -473,7 +479,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                         if i in inputs and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
             # Vocabulary-split logits: the cross-entropy (forward and backward) runs on the shards.
             with loss_parallel() if rules is not None and rules.vocab_split else contextlib.nullcontext():
-                outs = replay(sg.gm, vals + rest, rules, am, sp, send_seq)
+                outs = replay(sg.gm, vals + rest, rules, am, sp, send_seq, layout.ep)
                 wrt = [primals[i] for i in wrt_index]
                 grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
                                             allow_unused=True)

@@ -165,8 +165,13 @@ def _inputs(seg: list[fx.Node]) -> list[fx.Node]:
 
 
 def _key(seg: list[fx.Node], ins: list[fx.Node]) -> tuple:
-    """The segment's operations on its relative inputs (which of its inputs, which of its nodes)."""
+    """The segment's operations on its relative inputs (which of its inputs, which of its nodes).
+    A segment sized by its data (expert parallelism's routed rows: unbacked sizes of its own in
+    every layer) has a key of its own: it stays inline."""
     idx = {x: ("in", i) for i, x in enumerate(ins)} | {n: ("n", j) for j, n in enumerate(seg)}
+    if any(isinstance(n.meta.get("val"), torch.SymInt) or (isinstance(n.meta.get("val"), torch.Tensor) and any(
+            not isinstance(d, int) for d in n.meta["val"].shape)) for n in (*seg, *ins)):
+        return ("data-dependent", seg[0].name)
 
     def shape(v):  # and dtype: two layers in different precisions share no code
         return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None

@@ -1,0 +1,147 @@
+"""Expert parallelism on the traced step: each rank runs ``E / ep`` of a routed experts' block's
+experts, on the tokens of every rank of its ``ep`` group routed to them.
+
+The single-device step runs routed experts as ``grouped_mm`` calls over the block's
+``tokens x top_k`` rows sorted by expert (``traceable.routed_experts_forward``), all calls of one
+block sharing the rows' end offsets per expert. The distribute pass replays each such call here:
+
+- **dispatch** (before the block's first grouped linears, once per input they share): each
+  rank's rows are already in expert order, so the rows for rank ``j``'s experts are one
+  contiguous run. The per-expert counts are exchanged (an all-to-all of ``E`` integers), then the
+  rows themselves (``all_to_all_single`` with the counts' sums as split sizes: data-dependent
+  sizes, traced as unbacked symbolic sizes), and the rows received from the ``ep`` sources are
+  reordered by local expert (a stable sort, so each expert's rows keep source order).
+- the **experts** run on the received rows only: ``grouped_mm`` with every expert's weight and
+  end offsets in which the other ranks' experts own no rows (their weights' gradients are zeros
+  here; the rank that owns them computes them, and the data-parallel reduction sums them).
+- **combine** (after the block's last grouped linears): the rows back in received order and to
+  the ranks they came from (the reverse all-to-all); the model's own weighting and sum over
+  each token's ``top_k`` rows then run as on one process.
+
+Autograd runs through the same collectives, reversed. The ``ep`` group is carved out of the
+data-parallel ranks (consecutive ranks of ``dp_replicate x dp_shard``, innermost first), so the
+tokens of its ranks are different sequences and each expert sees them all, as torchtitan's and
+Megatron-LM's expert parallelism do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.fx
+
+from autopar.grouped_mm import GROUPED_MM, grouped_mm
+
+# What the collectives and their reorders are annotated with (explain, the AC pass, inspect_graph).
+DISPATCH = "ep: routed rows to their experts' ranks"
+COMBINE = "ep: expert outputs back to their tokens' ranks"
+
+
+@dataclass
+class EPGroup:
+    """The ``ep`` process group of this rank (``size`` ranks, each owning ``E / size`` experts)."""
+
+    group_name: str
+    size: int
+
+
+@dataclass
+class _Block:
+    """One routed experts' block: its grouped linears (sharing one offsets node), which inputs
+    are dispatched (rows in token order) and which outputs combined (the experts' last linears)."""
+
+    offs: torch.fx.Node
+    calls: list
+    dispatched_inputs: set = field(default_factory=set)
+    combined: set = field(default_factory=set)
+    routing: tuple | None = None  # (send sizes, recv sizes, order, inverse order, local offsets)
+    sent: dict = field(default_factory=dict)  # input node -> its rows on the experts' ranks
+
+
+def blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Block]:
+    """Each ``grouped_mm`` call of ``gm`` -> its block: the calls sharing an offsets node. A call
+    reads dispatched rows where its input does not depend on another call of the block; its
+    output is combined where no other call of the block depends on it."""
+    by_offs: dict = {}
+    for n in gm.graph.find_nodes(op="call_function", target=GROUPED_MM):
+        by_offs.setdefault(n.args[2], []).append(n)
+    out = {}
+    for offs, calls in by_offs.items():
+        b = _Block(offs, calls)
+        members = set(calls)
+        for c in calls:
+            if not _reaches(c, members - {c}):
+                b.combined.add(c)
+            if not any(_reaches(o, {c}) for o in members - {c}):
+                b.dispatched_inputs.add(c)
+        for c in calls:
+            out[c] = b
+    return out
+
+
+def _reaches(src: torch.fx.Node, targets: set) -> bool:
+    """Whether a node of ``targets`` uses ``src``'s value, directly or through other nodes."""
+    seen, todo = set(), [src]
+    while todo:
+        x = todo.pop()
+        for u in x.users:
+            if u in targets:
+                return True
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
+def check(n_experts: int, ep: int, where: str) -> None:
+    from autopar.errors import AutoparError
+
+    if n_experts % ep:
+        raise AutoparError(f"ep={ep} does not divide the {n_experts} experts of {where}; choose an ep that divides "
+                           f"{n_experts}")
+
+
+def _routing(b: _Block, offs: torch.Tensor, n_experts: int, g: EPGroup):
+    """The block's dispatch: (rows this rank sends to each rank, rows it receives from each, the
+    order that sorts the received rows by local expert, its inverse, the offsets over all ``E``
+    experts of the sorted received rows, in which only this rank's experts own rows)."""
+    n, el = g.size, n_experts // g.size
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    # recv[j, e]: rows rank j sends to this rank's local expert e.
+    recv = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, g.group_name)).view(n, el)
+    send_sizes = counts.view(n, el).sum(1).tolist()
+    recv_sizes = recv.sum(1).tolist()
+    for s in (*send_sizes, *recv_sizes):
+        torch._check(s >= 0)
+    total = sum(recv_sizes)
+    expert = torch.repeat_interleave(torch.arange(el, device=offs.device).repeat(n), recv.reshape(-1),
+                                     output_size=total)
+    order = expert.argsort(stable=True)
+    me = torch.ops.autopar.group_rank(offs, g.group_name)  # read at run time: every rank's graph the same
+    mine = (torch.arange(n, device=offs.device) == me).to(offs.dtype)
+    local_offs = (mine[:, None] * recv.sum(0)[None, :]).reshape(-1).cumsum(0)
+    return send_sizes, recv_sizes, order, order.argsort(), local_offs
+
+
+def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup) -> torch.Tensor:
+    """The replay of ``grouped_mm`` call ``n`` of block ``b`` under expert parallelism."""
+    import torch.fx.traceback as fx_traceback
+
+    x, ws, offs = args
+    if b.routing is None:
+        with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
+            b.routing = _routing(b, offs, len(ws), g)
+    send, recv, order, inverse, local_offs = b.routing
+    if n in b.dispatched_inputs:
+        src = n.args[0]
+        if src not in b.sent:
+            with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
+                b.sent[src] = funcol.all_to_all_single_autograd(x, recv, send, g.group_name)[order]
+        x = b.sent[src]
+    y = grouped_mm(x, list(ws), local_offs)
+    if n in b.combined:
+        with fx_traceback.annotate({"pass": "ep", "why": COMBINE}):
+            y = funcol.all_to_all_single_autograd(y[inverse], send, recv, g.group_name)
+    return y
