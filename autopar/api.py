@@ -715,7 +715,10 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
     if p.ep > 1:
         from autopar.passes.ep import EPGroup
 
-        lay.ep = EPGroup(ep_mesh(mesh, p).get_group().group_name, p.ep)
+        # Experts sharded over exactly the ep ranks (FSDP over dp_shard = ep): each rank reads
+        # only its own experts' weights.
+        lay.ep = EPGroup(ep_mesh(mesh, p).get_group().group_name, p.ep,
+                         owners_read=p.fsdp and p.dp_shard == p.ep and p.cp == 1)
     return lay, rules
 
 

@@ -40,7 +40,7 @@ from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes import ep as ep_pass
 from autopar.passes.cp import ActMesh
-from autopar.passes.fsdp import read_param
+from autopar.passes.fsdp import read_param, replicated
 from autopar.passes.tp import TPRules
 
 _aten = torch.ops.aten
@@ -90,8 +90,8 @@ class Unread:
     so its data-parallel gather lands in the graph where the parameter is first needed, and
     autograd, which runs later-created nodes first, reduces its gradient as soon as it is complete."""
 
-    def __init__(self, read):
-        self.read = read
+    def __init__(self, read, index: int = -1, local: torch.Tensor | None = None):
+        self.read, self.index, self.local = read, index, local
 
 
 def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh) -> list | None:
@@ -303,10 +303,11 @@ def _picked_tokens(n: torch.fx.Node):
 
 
 def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool,
-           send_seq: int | None = None, ep: ep_pass.EPGroup | None = None) -> list:
+           send_seq: int | None = None, ep: ep_pass.EPGroup | None = None, read_experts=None) -> list:
     """Run ``gm``'s nodes on ``values`` (DTensors on ``am`` where TP or CP applies),
     redistributing as ``rules`` say; attention and the mean loss over split sequences as ``cp`` does;
-    routed experts over the ``ep`` group as ``passes/ep.py`` does.
+    routed experts over the ``ep`` group as ``passes/ep.py`` does (``read_experts``: unread expert
+    weights -> this rank's experts' whole weights, or None where they are read one by one).
     The outputs come back whole, or with ``send_seq`` (a pipeline stage's under CP) split along
     a sequence of that length as ``cp.sent`` sends them."""
     env: dict = {}
@@ -315,6 +316,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     act = Shard(1) if sp else Replicate()
     split_seq = am is not None and am.has("cp")
     expert_blocks = ep_pass.blocks(gm) if ep is not None else {}
+    owned: dict = {}  # a grouped linear's weights -> this rank's experts' whole weights
 
     def to_tp(x, p):
         if not isinstance(x, DTensor):
@@ -361,12 +363,18 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                     return [cp.sent(o, am, send_seq) for o in outs]
                 return [o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local()
                         if isinstance(o, DTensor) else o for o in outs]
-        args = torch.fx.node.map_arg(n.args, lambda a: arg(a, n))
+        ws = tuple(n.args[1]) if n in expert_blocks and read_experts is not None else ()
+        if ws and ws not in owned and all(isinstance(env.get(w), Unread) for w in ws):
+            owned[ws] = read_experts([env[w] for w in ws], n)
+        if owned.get(ws) is not None:
+            args = (arg(n.args[0], n), None, arg(n.args[2], n))
+        else:
+            args = torch.fx.node.map_arg(n.args, lambda a: arg(a, n))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arg(a, n))
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
             if n in expert_blocks:
-                out = ep_pass.grouped(n, args, expert_blocks[n], ep)
+                out = ep_pass.grouped(n, args, expert_blocks[n], ep, owned.get(tuple(n.args[1])))
             elif split_seq and n.target in ATTENTION_OPS:
                 with fx_traceback.annotate({"pass": "cp"}):
                     kv_nodes = (n.args[1], n.args[2]) if len(n.args) > 2 else (None, None)
@@ -458,9 +466,30 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                                    stride=torch.empty(layout.shapes[i], device="meta").stride(), **grad)
         return x
 
+    def read_experts(unread: list[Unread], consumer: torch.fx.Node) -> list[torch.Tensor]:
+        """A grouped linear's expert weights as this rank's experts' whole weights
+        (``ep.owned_weights``), each shard first made whole over the replicas (HSDP) and cast to
+        the compute dtype, as ``read_param`` reads it; None where a weight is not split along its
+        rows over the ep ranks (then each is gathered whole)."""
+        if any(layout.dp[u.index] != Shard(0) or layout.shapes[u.index][0] % layout.ep.size
+               or layout.shapes[u.index] != layout.shapes[unread[0].index] for u in unread):
+            return None
+        xs = []
+        for u in unread:
+            x = u.local
+            if "dp_replicate" in layout.dp_dims:
+                with fx_traceback.annotate({"pass": "ddp", "source": sg.param_names[u.index], "param_index": u.index}):
+                    x = replicated(x, layout.dp_submeshes[("dp_replicate",)])
+            if layout.compute is not None and x.dtype != layout.compute:
+                x = x.to(layout.compute)
+            xs.append(x)
+        use_layer = consumer.meta.get("custom", {}).get("layer")
+        with fx_traceback.annotate({"pass": "ep", "why": ep_pass.WEIGHTS, "use_layer": use_layer}):
+            return ep_pass.owned_weights(xs, layout.ep)
+
     def joint(primals, tangents):
         with implicit_replication():
-            vals = [Unread(functools.partial(read, i, x)) for i, x in enumerate(primals[:P])]
+            vals = [Unread(functools.partial(read, i, x), i, x) for i, x in enumerate(primals[:P])]
             rest = list(primals[P:])
             first = P + len(sg.buffer_names)
             if am is not None and am.has("cp") and sg.first:
@@ -479,7 +508,8 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                         if i in inputs and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
             # Vocabulary-split logits: the cross-entropy (forward and backward) runs on the shards.
             with loss_parallel() if rules is not None and rules.vocab_split else contextlib.nullcontext():
-                outs = replay(sg.gm, vals + rest, rules, am, sp, send_seq, layout.ep)
+                outs = replay(sg.gm, vals + rest, rules, am, sp, send_seq, layout.ep,
+                              read_experts if layout.ep is not None and layout.ep.owners_read else None)
                 wrt = [primals[i] for i in wrt_index]
                 grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
                                             allow_unused=True)

@@ -35,16 +35,20 @@ import torch.fx
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 
 # What the collectives and their reorders are annotated with (explain, the AC pass, inspect_graph).
+WEIGHTS = "ep: experts' weight shards to the experts' ranks"
 DISPATCH = "ep: routed rows to their experts' ranks"
 COMBINE = "ep: expert outputs back to their tokens' ranks"
 
 
 @dataclass
 class EPGroup:
-    """The ``ep`` process group of this rank (``size`` ranks, each owning ``E / size`` experts)."""
+    """The ``ep`` process group of this rank (``size`` ranks, each owning ``E / size`` experts).
+    ``owners_read``: the experts' weights are FSDP-sharded over exactly these ranks, so each
+    rank receives its own experts' shards (``owned_weights``) instead of gathering every expert."""
 
     group_name: str
     size: int
+    owners_read: bool = False
 
 
 @dataclass
@@ -106,7 +110,8 @@ def check(n_experts: int, ep: int, where: str) -> None:
 def _routing(b: _Block, offs: torch.Tensor, n_experts: int, g: EPGroup):
     """The block's dispatch: (rows this rank sends to each rank, rows it receives from each, the
     order that sorts the received rows by local expert, its inverse, the offsets over all ``E``
-    experts of the sorted received rows, in which only this rank's experts own rows)."""
+    experts of the sorted received rows, in which only this rank's experts own rows, and the
+    offsets over this rank's experts alone)."""
     n, el = g.size, n_experts // g.size
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     # recv[j, e]: rows rank j sends to this rank's local expert e.
@@ -122,25 +127,39 @@ def _routing(b: _Block, offs: torch.Tensor, n_experts: int, g: EPGroup):
     me = torch.ops.autopar.group_rank(offs, g.group_name)  # read at run time: every rank's graph the same
     mine = (torch.arange(n, device=offs.device) == me).to(offs.dtype)
     local_offs = (mine[:, None] * recv.sum(0)[None, :]).reshape(-1).cumsum(0)
-    return send_sizes, recv_sizes, order, order.argsort(), local_offs
+    return send_sizes, recv_sizes, order, order.argsort(), local_offs, recv.sum(0).cumsum(0)
 
 
-def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup) -> torch.Tensor:
-    """The replay of ``grouped_mm`` call ``n`` of block ``b`` under expert parallelism."""
+def owned_weights(shards: list[torch.Tensor], g: EPGroup) -> list[torch.Tensor]:
+    """This rank's ``E / ep`` experts' whole weights from every expert's dim-0 shard on each rank
+    of the ep group (FSDP over exactly those ranks): one all-to-all, each rank sending each owner
+    its shards of that owner's experts (``1 / ep`` of the bytes an FSDP gather of every expert
+    moves). Its backward sends each rank its shard of the owners' whole gradients: no reduction,
+    as only the owner computes an expert's gradient."""
+    n, el = g.size, len(shards) // g.size
+    stacked = torch.stack(shards)  # (E, rows / n, in): the experts in owner order
+    got = funcol.all_to_all_single_autograd(stacked, None, None, g.group_name)  # [source][my expert]
+    r, c = stacked.shape[1], stacked.shape[2]
+    return list(got.view(n, el, r, c).transpose(0, 1).reshape(el, n * r, c).unbind(0))
+
+
+def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup, owned: list | None = None) -> torch.Tensor:
+    """The replay of ``grouped_mm`` call ``n`` of block ``b`` under expert parallelism; ``owned``:
+    this rank's experts' whole weights (``owned_weights``), else ``args`` hold every expert's."""
     import torch.fx.traceback as fx_traceback
 
     x, ws, offs = args
     if b.routing is None:
         with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
-            b.routing = _routing(b, offs, len(ws), g)
-    send, recv, order, inverse, local_offs = b.routing
+            b.routing = _routing(b, offs, len(n.args[1]), g)
+    send, recv, order, inverse, local_offs, mine_offs = b.routing
     if n in b.dispatched_inputs:
         src = n.args[0]
         if src not in b.sent:
             with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
                 b.sent[src] = funcol.all_to_all_single_autograd(x, recv, send, g.group_name)[order]
         x = b.sent[src]
-    y = grouped_mm(x, list(ws), local_offs)
+    y = grouped_mm(x, owned, mine_offs) if owned is not None else grouped_mm(x, list(ws), local_offs)
     if n in b.combined:
         with fx_traceback.annotate({"pass": "ep", "why": COMBINE}):
             y = funcol.all_to_all_single_autograd(y[inverse], send, recv, g.group_name)

@@ -50,7 +50,7 @@ def read_param(local: torch.Tensor, dp_mesh, submeshes: dict, dp_pls: list, tp_l
         # the reverse order, reduce-scatters the gradient over dp_shard and then all-reduces only
         # the shard over dp_replicate (FSDP2's order: 1/dp_shard of the bytes on the replicas).
         with fx_traceback.annotate({"pass": "ddp"}):
-            local = _replicated(local, submeshes[tuple(replicas)])
+            local = replicated(local, submeshes[tuple(replicas)])
         kept = [(n, p) for n, p in zip(names, dp_pls) if isinstance(p, Shard)]
         dp_mesh, dp_pls = submeshes[tuple(n for n, _ in kept)], [p for _, p in kept]
     stride = torch.empty(tp_local_shape, device="meta").stride()
@@ -71,7 +71,7 @@ def sub_meshes(dp_mesh) -> dict:
     return {sub: dp_mesh[sub] for k in range(1, len(names)) for sub in itertools.combinations(names, k)}
 
 
-def _replicated(local: torch.Tensor, mesh) -> torch.Tensor:
+def replicated(local: torch.Tensor, mesh) -> torch.Tensor:
     """``local`` unchanged; its gradient all-reduced over ``mesh``."""
     n = mesh.ndim
     return DTensor.from_local(local, mesh, [Replicate()] * n, run_check=False).to_local(
