@@ -136,6 +136,11 @@ class BlockProfile:
         return (len(lin.group), lin.in_rows) if lin is not None else None
 
     @property
+    def expert_params(self) -> int:
+        """Elements of the routed experts' linear weights (every expert's)."""
+        return sum(math.prod(self.param_shapes[w]) for l in self.linears for w in l.group)
+
+    @property
     def tp_linears(self) -> int:
         """Linears sharded by TP (column and row)."""
         return sum(l.role in ("column", "row") for l in self.linears)

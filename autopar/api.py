@@ -1029,6 +1029,10 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
         raise AutoparError(f"expert parallelism (ep={p.ep}) runs with data parallelism only for now; "
                            f"this plan also has {', '.join(f'{k}={getattr(p, k)}' for k in ('tp', 'cp', 'pp') if getattr(p, k) > 1)}"
                            ": plan with ep=1, or with tp=cp=pp=1")
+    if p.ep > 1:
+        from autopar.passes.ep import check_model
+
+        check_model(model, p.ep)
     if p.cp > 1 and not capture.is_token_ids(example_inputs[0]):
         raise AutoparError(f"context parallelism (cp={p.cp}) splits sequences of token ids over ranks; this model "
                            f"takes {tuple(example_inputs[0].shape)} {example_inputs[0].dtype} inputs: plan with cp=1")

@@ -18,6 +18,7 @@ BREAKDOWN_LABELS = {
     "recompute": "recompute (activation checkpointing)",
     "tp_comm": "exposed TP/SP collectives",
     "cp_comm": "exposed CP key/value all-gathers and reduce-scatters",
+    "ep_comm": "EP all-to-alls (routed rows, experts' weights)",
     "fsdp_comm": "exposed FSDP all-gather / reduce-scatter",
     "dp_comm": "exposed DP gradient all-reduce",
     "pp_p2p": "pipeline send/recv",
@@ -88,6 +89,8 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
         extras.append(f"TP {p.tp}" + (" + SP" if p.sp else ""))
     if cp > 1:
         extras.append(f"CP {cp} (each sequence over {cp} ranks; FSDP shards over dp_shard x cp)")
+    if p.ep > 1:
+        extras.append(f"EP {p.ep} (each routed experts' block's experts over {p.ep} data-parallel ranks)")
     if p.pp > 1:
         extras.append(f"PP {p.pp} ({p.schedule}" + (f", v={p.v}" if p.v > 1 else "") + f", {p.n_microbatches} microbatches of {p.mb})")
     else:

@@ -88,6 +88,7 @@ CLI_CASES = [
     ("unit_bad_value", "estimate llama3-8b --gpus 8 --plan fsdp=1,dp=8,unit=param", r"unit='param': choose layer"),
     ("pin_cp_not_splitting_sequence", "explain llama3-8b --gpus 24 --seq-len 8192 --pin cp=3",
      r"splits each 8192-token sequence into 2 x cp = 6 chunks"),
+    ("pin_ep_without_experts", "explain llama3-8b --gpus 8 --pin ep=2", r"ep=2: llama3-8b has no routed experts"),
     ("cp_product_not_world", "estimate llama3-8b --gpus 8 --plan dp=2,cp=2", r"tp\*pp\*dp\*cp = 1\*1\*2\*2 = 4 but there are 8"),
     ("cp_not_splitting_sequence", "estimate llama3-8b --gpus 24 --seq-len 8192 --global-batch 8 --plan dp=8,cp=3",
      r"splits each 8192-token sequence into 2 x cp = 6 chunks"),

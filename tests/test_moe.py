@@ -294,3 +294,44 @@ def test_tp_collectives_are_the_priced_ones_over_tokens_not_their_rows(sp):
     assert {kind for _, kind, _ in small} == {"all_reduce"}, small
     assert sum(b for g, _, b in small if g == "forward") == 3 * per_token, small
     assert sum(b for g, _, b in small if g == "backward") == (2 + 5 * sp) * top_k_values, small
+
+
+@pytest.mark.parametrize("reshard", [0, 1])
+def test_ep_collectives_are_the_priced_ones(reshard):
+    """Under expert parallelism (ep 4 over FSDP 4) a routed experts' block moves what the plan
+    prices, per layer: the experts' row counts, each token's top_k rows to their experts' ranks
+    and the outputs back (sized by the routing: recorded without bytes), their gradients back in
+    the backward; each rank receives only its own experts' weights (one all-to-all per grouped
+    linear of 1/ep of the experts' bytes, again in the backward after reshard, and their
+    gradients back), and FSDP gathers and reduces only the other parameters."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    pins = f"ep=4,dp=4,fsdp=1,mb=2,ac=none,reshard={reshard}"
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    got, plan, L = d["got"], d["plan"], d["layers"]
+
+    def executed(kind, nbytes=None, graph=None):
+        return sum(v for k, v in got.items() if k.split(":")[1] == kind and (graph is None or k.split(":")[0] == graph)
+                   and (nbytes is None or k.split(":")[3] == str(nbytes)))
+
+    def priced(kind, group):
+        return {int(k.split(":")[2]): v for k, v in plan.items() if k.split(":")[:2] == [group, kind]}
+
+    ep = priced("all_to_all", "ep")
+    counts, rows = 8 * d["experts"], 4 * 2 * 16 * d["top_k"] * d["hidden"]  # int64 counts; fp32 rows of 2 x 16 tokens
+    weights = {b: n for b, n in ep.items() if b not in (counts, rows)}
+    assert ep[counts] == executed("all_to_all_single", counts) == L
+    assert ep[rows] == executed("all_to_all_single", "None") == 4 * L  # dispatch + combine, forward and backward
+    assert executed("all_to_all_single", "None", "forward") == 2 * L
+    (wbytes, wcount), = weights.items()
+    assert executed("all_to_all_single", wbytes) == wcount == 3 * L * (2 + reshard)  # gate, up, down
+    # FSDP: the gathers and reductions of the other parameters only, as priced per layer.
+    (layer_bytes, gathers), = priced("all_gather", "dp_shard").items()
+    assert executed("all_gather_into_tensor", layer_bytes) == gathers == L * (1 + reshard)

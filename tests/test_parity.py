@@ -157,9 +157,18 @@ CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
     case(m, "cp2_fsdp2", CP["cp2_fsdp2"]) for m in ("gpt-tiny", "hf-qwen2")] + [
     # Pipeline stages that send each cp rank's own tokens to the next (cp.sent, cp.received).
     case("hf-llama", "pp2_cp2", {"pp": 2, "cp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 2}, seq=128)]
+# Expert parallelism: each rank runs its share of the experts on the rows all ranks route to
+# them (all-to-alls sized by the routing); Mixtral's experts sharded over exactly the ep ranks
+# (each rank receives only its own experts' weights), in fp32 and in bf16 against FSDP2; Qwen3-MoE
+# over an HSDP shard group of ep ranks; DeepSeek-V2 (a gate module routes, shared experts) with
+# ep 2 of FSDP 4 (every expert gathered) and a full recompute (the routing run again).
+EP4_FSDP4 = {"ep": 4, "dp": 4, "fsdp": 1}
+CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4), case("hf-mixtral", "ep4_fsdp4_bf16", EP4_FSDP4, mp="bf16-mixed"),
+         case("hf-qwen3-moe", "ep2_hsdp2x2", {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1}),
+         case("hf-deepseek-v2", "ep2_fsdp4_ac_full", {"ep": 2, "dp": 4, "fsdp": 1, "ac": "full"})]
 LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), "models_hf": (4, CI_PLANS_HF),
             "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
-            "mixed": (4, CI_MIXED), "cp": (4, CI_CP)}
+            "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP)}
 MATRIX = {"models_a", "models_b", "models_hf", "models_pp"}
 _results: dict = {}
 
@@ -173,7 +182,7 @@ def _launch(name: str) -> dict:
 
 # Each xdist group runs on one worker, so each launch runs once; two launches at a time.
 GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans": "parity-b", "pp4": "parity-c", "pp2": "parity-c",
-         "mixed": "parity-a", "cp": "parity-d", "models_hf": "parity-e", "models_pp": "parity-f"}
+         "mixed": "parity-a", "cp": "parity-d", "models_hf": "parity-e", "models_pp": "parity-f", "ep": "parity-g"}
 
 
 @pytest.mark.slow

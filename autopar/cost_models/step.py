@@ -216,6 +216,7 @@ class LayerCoeffs:
     working_param: float  # unsharded bytes of one layer's parameters (FSDP)
     parts: dict  # named components for the breakdown (ac -> {name: seconds})
     hidden_comm: dict = field(default_factory=dict)  # ac -> comm seconds overlapped with compute
+    fsdp_param: float = -1.0  # bytes FSDP gathers per layer (-1: working_param; less under EP)
 
 
 @dataclass
@@ -262,6 +263,8 @@ class StageModel:
         self.g_shard = group_on_mesh(mesh, 2, gpn)
         self.g_tp = group_on_mesh(mesh, 3, gpn)
         self.g_cp = group_on_mesh([cfg.pp, cfg.dp, cfg.cp, cfg.tp], 2, gpn)
+        # ep consecutive data-parallel ranks (passes/ep.py), cp x tp ranks apart.
+        self.g_ep = group_on_mesh([cfg.pp, cfg.dp // cfg.ep, cfg.ep, cfg.cp * cfg.tp], 2, gpn)
         self.g_dp = Group(cfg.dp * cfg.cp,
                           self.g_shard.per_node * (self.g_rep.per_node if self.g_shard.nodes == 1 else 1))
         # Per microbatch a rank holds mb sequences' 1/cp share of the tokens (and of the attention:
@@ -295,7 +298,7 @@ class StageModel:
         and v (a layer's coefficients depend on none of them)."""
         cfg = self.cfg
         key = ("layer", id(b), cfg.tp, cfg.mb, cfg.sp, cfg.fsdp, cfg.dp_shard, cfg.dp_replicate, cfg.reshard,
-               cfg.fsdp_once, cfg.fsdp_unit, self.M, cfg.cp)
+               cfg.fsdp_once, cfg.fsdp_unit, self.M, cfg.cp, cfg.ep)
         if key not in self._cache:
             self._cache[key] = self._layer(b)
         return self._cache[key]
@@ -327,8 +330,18 @@ class StageModel:
             cp_bwd += n_bwd * t
         if ctx.async_tp:  # overlapped with the neighbouring matmuls (torchtitan's async TP)
             tp_fwd, tp_bwd, regather = tp_fwd * 0.3, tp_bwd * 0.3, regather * 0.3
+        # Expert parallelism: the routed rows' all-to-alls (in the forward, again in a full
+        # recompute, reversed in the backward) and, where each rank reads only its own experts,
+        # their weights' all-to-all in place of the experts' FSDP gathers and reductions.
+        ep_fwd = ep_bwd = ep_rows = 0.0
+        for kind, nbytes, n_fwd, n_bwd, why in ep_layer_collectives(b, cfg, ctx):
+            t = self._ct(kind, nbytes, self.g_ep)
+            ep_fwd += n_fwd * t
+            ep_bwd += n_bwd * t
+            ep_rows += n_fwd * t if why != EP_WEIGHTS else 0.0
         p_local = b.params_tp / tp + b.params_rep
-        ag, rs, busy = self._fsdp_collectives(p_local, cfg.reshard)
+        own = b.expert_params / tp if ep_owned(cfg) else 0.0
+        ag, rs, busy = self._fsdp_collectives(p_local - own, cfg.reshard)
         # Under SP the sequence region's ops (norms; residual adds are counted too) run on DTensors.
         eager = self._eager_tp_overhead(b.tp_linears, int(np.count_nonzero(~b.costs.tp)))
         time, parts, act, hidden = {}, {}, {}, {}
@@ -347,6 +360,7 @@ class StageModel:
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
                 "cp_comm": cp_bwd + cp_fwd * (2 if ac == "full" else 1),
+                "ep_comm": ep_bwd + ep_fwd + (ep_rows if ac == "full" else 0.0),
                 "fsdp_comm": fsdp,
                 # A full recompute runs the forward third of the DTensor dispatches again.
                 "tp_eager_overhead": eager * (4 / 3 if ac == "full" else 1.0),
@@ -356,7 +370,10 @@ class StageModel:
             act[ac] = mb * ctx.bytes_scale * _split_saved(saved[ac], tp, seq_div)
             if sp_gathered and ac == "none":
                 act[ac] += sp_gathered
-        return LayerCoeffs(time, act, self._state_bytes(p_local), p_local * ctx.act_bytes, parts, hidden)
+        # Gathered for the layer: its own experts' weights, not every expert's.
+        working = (p_local - own + own / cfg.ep) * ctx.act_bytes
+        return LayerCoeffs(time, act, self._state_bytes(p_local), working, parts, hidden,
+                           fsdp_param=(p_local - own) * ctx.act_bytes)
 
     def _fsdp_exposed(self, ag: float, rs: float, fwd: float, bwd: float, reshard: bool) -> float:
         """FSDP seconds per microbatch that the compute (``fwd``, ``bwd``) does not hide: the
@@ -430,6 +447,7 @@ class StageModel:
             working_param=max(c.working_param for c in cs),
             parts={a: {k: avg(lambda c: c.parts[a][k]) for k in cs[0].parts[a]} for a in AC_MODES},
             hidden_comm={a: avg(lambda c: c.hidden_comm[a]) for a in AC_MODES},
+            fsdp_param=max(c.fsdp_param if c.fsdp_param >= 0 else c.working_param for c in cs),
         )
 
     def _state_bytes(self, p_local: float) -> float:
@@ -773,9 +791,16 @@ class StageModel:
                 if count:
                     out.append({"kind": kind, "group": "cp", "group_size": cfg.cp, "bytes": nbytes, "count": count,
                                 "why": why})
+        moe = next((b for b in m.blocks if b.experts), None)
+        if cfg.ep > 1 and moe is not None:
+            share = sum(1 for x in self.layers if x.experts) / len(self.layers)  # the layers with experts
+            for kind, nbytes, nf, nb, why in ep_layer_collectives(moe, cfg, ctx):
+                again = 0 if why == EP_WEIGHTS else n_full  # a full recompute routes the rows again
+                out.append({"kind": kind, "group": "ep", "group_size": cfg.ep, "bytes": nbytes,
+                            "count": round((nf * (n + again) + nb * n) * share * M), "why": why})
         shard_group = "dp_shard" if cfg.cp == 1 else "dp_shard x cp"
         if cfg.shard > 1:
-            p = self.coeffs.working_param
+            p = self.coeffs.fsdp_param if self.coeffs.fsdp_param >= 0 else self.coeffs.working_param
             per = 1 if cfg.fsdp_once == "gather" else M
             ag_count = n * per * (2 if cfg.reshard and cfg.fsdp_once != "gather" else 1)
             if cfg.fsdp_unit == "tensor" and m.blocks:
@@ -852,6 +877,35 @@ def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
     return [("all_gather", msg, 1, 1, "CP: keys and values of the whole sequence (attention), again in backward"),
             ("reduce_scatter", msg, 0, 1, "CP: key and value gradients to their tokens' ranks"),
             ("send_recv", half, 2, 2, "CP: half the queries and their outputs swapped with the mirror rank")]
+
+
+EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again after reshard, gradients back (bwd)"
+
+
+def ep_owned(cfg: Config) -> bool:
+    """Whether each ep rank reads only its own experts' weights: FSDP shards them over exactly the
+    ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers."""
+    return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
+
+
+def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
+    """What expert parallelism moves per layer and microbatch (kind, bytes each rank sends,
+    forward count, backward count, why): the experts' row counts, each token's ``top_k`` rows to
+    their experts' ranks and the experts' outputs back (routing spread evenly over the experts),
+    and, where each rank reads only its own experts (``ep_owned``), their weights' shards."""
+    if cfg.ep == 1 or not b.experts:
+        return []
+    n_experts, top_k = b.experts
+    m = ctx.model
+    rows = cfg.mb / cfg.cp * m.seq_len * top_k * m.hidden * ctx.act_bytes
+    out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count"),
+           ("all_to_all", rows, 2, 2, "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
+    if ep_owned(cfg):  # one all-to-all per grouped linear (gate, up, down)
+        regather = 1 if cfg.reshard else 0
+        n = sum(1 for l in b.linears if l.group)
+        per = b.expert_params / n / cfg.tp / cfg.ep * ctx.act_bytes
+        out.append(("all_to_all", per, n, n * (1 + regather), EP_WEIGHTS))
+    return out
 
 
 def tp_outer_collectives(segment: str, cfg: Config, ctx: CostContext) -> list[tuple]:

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autopar.passes import GATHERED_INPUT, PassContext
 from autopar.passes.cp import KV_GATHERED
+from autopar.passes.ep import WEIGHTS as EP_WEIGHTS
 
 _aten = torch.ops.aten
 SAVE_OPS = {
@@ -105,7 +106,9 @@ def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.Graph
         custom = n.meta.get("custom", {})
         # Reshard after forward: the backward gathers each parameter again. Context parallelism:
         # the backward gathers the whole sequence's keys and values again (each rank keeps its own).
-        again = "reshard" if reshard and custom.get("pass") == "fsdp" else "cp" if custom.get("why") == KV_GATHERED else None
+        # Expert parallelism: the backward reads the rank's own experts' weights again likewise.
+        regather = custom.get("pass") == "fsdp" or (custom.get("why") == EP_WEIGHTS and custom.get("pass") == "ep")
+        again = "reshard" if reshard and regather else "cp" if custom.get("why") == KV_GATHERED else None
         if again:
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = 0

@@ -475,16 +475,17 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                or layout.shapes[u.index] != layout.shapes[unread[0].index] for u in unread):
             return None
         xs = []
-        for u in unread:
-            x = u.local
-            if "dp_replicate" in layout.dp_dims:
-                with fx_traceback.annotate({"pass": "ddp", "source": sg.param_names[u.index], "param_index": u.index}):
-                    x = replicated(x, layout.dp_submeshes[("dp_replicate",)])
-            if layout.compute is not None and x.dtype != layout.compute:
-                x = x.to(layout.compute)
-            xs.append(x)
         use_layer = consumer.meta.get("custom", {}).get("layer")
         with fx_traceback.annotate({"pass": "ep", "why": ep_pass.WEIGHTS, "use_layer": use_layer}):
+            for u in unread:
+                x = u.local
+                if "dp_replicate" in layout.dp_dims:
+                    with fx_traceback.annotate({"pass": "ddp", "source": sg.param_names[u.index],
+                                                "param_index": u.index}):
+                        x = replicated(x, layout.dp_submeshes[("dp_replicate",)])
+                if layout.compute is not None and x.dtype != layout.compute:
+                    x = x.to(layout.compute)
+                xs.append(x)
             return ep_pass.owned_weights(xs, layout.ep)
 
     def joint(primals, tangents):

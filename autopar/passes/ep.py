@@ -99,12 +99,17 @@ def _reaches(src: torch.fx.Node, targets: set) -> bool:
     return False
 
 
-def check(n_experts: int, ep: int, where: str) -> None:
+def check_model(model: torch.nn.Module, ep: int) -> None:
+    """Refuse expert parallelism on routed experts it cannot split: experts whose linears have
+    biases (added per row by expert index, which a rank's received rows do not carry)."""
+    from autopar import traceable
     from autopar.errors import AutoparError
 
-    if n_experts % ep:
-        raise AutoparError(f"ep={ep} does not divide the {n_experts} experts of {where}; choose an ep that divides "
-                           f"{n_experts}")
+    for r in traceable.routed_experts(model):
+        biased = [n for n in r.linears or () if r.module.experts[0].get_submodule(n).bias is not None]
+        if biased:
+            raise AutoparError(f"expert parallelism (ep={ep}): the experts of {r.name} have biases on {', '.join(biased)}, "
+                               "which autopar's expert-parallel form does not apply yet; plan with ep=1")
 
 
 def _routing(b: _Block, offs: torch.Tensor, n_experts: int, g: EPGroup):
