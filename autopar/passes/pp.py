@@ -184,6 +184,20 @@ def split_weight_gradients(graphs, plan, ctx):
     return graphs
 
 
+def _with_size_symbols(g: torch.fx.Graph, carried: list, in_i: set) -> list:
+    """``carried`` with, first, the nodes of ``I`` (or the backward's inputs) that define the
+    data-dependent sizes of the carried tensors (expert parallelism's routed row counts): ``W``
+    takes them as inputs, as a graph must that holds tensors of those sizes."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    needed = set().union(*(free_unbacked_symbols(c.meta.get("val")) for c in carried))
+    if not needed:
+        return carried
+    defs = [n for n in g.nodes if (n in in_i or n.op == "placeholder") and isinstance(n.meta.get("val"), torch.SymInt)
+            and n.meta["val"].node.expr in needed]
+    return defs + [c for c in carried if c not in defs]
+
+
 def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
     """Split the backward graph for zero-bubble pipeline schedules into the input-gradient part
     ``I: (*saved, *tangents) -> (*input grads, *carried)`` and the weight-gradient part
@@ -219,6 +233,7 @@ def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.Gr
         raise RuntimeError(f"backward nodes outside both gradient parts: {[n.name for n in stray[:5]]}")
     carried = [n for n in g.nodes if n in in_i and (any(u in in_w for u in n.users) or n in w_outs)]
     carried += [n for n in placeholders if n not in in_i and any(u in in_w for u in n.users)]
+    carried = _with_size_symbols(g, carried, in_i)
 
     gi, env = torch.fx.Graph(), {}
     for n in g.nodes:
