@@ -39,6 +39,32 @@ COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gath
                "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_to_all_single")
 
 
+# A node annotation (``custom`` meta): the typical value of the data-dependent size the node
+# makes (an unbacked symbol: expert parallelism's routed row counts, at their even share), which
+# a liveness walk or a byte count takes for it.
+TYPICAL = "typical"
+
+
+def size_hints(gm: torch.fx.GraphModule) -> dict:
+    """The graph's data-dependent sizes (symbols) -> their typical values (``TYPICAL``)."""
+    out = {}
+    for n in gm.graph.nodes:
+        v, typical = n.meta.get("val"), n.meta.get("custom", {}).get(TYPICAL)
+        if isinstance(v, torch.SymInt) and typical is not None and v.node.expr.is_Symbol:
+            out[v.node.expr] = int(typical)
+    return out
+
+
+def hinted(n: torch.SymInt | int, hints: dict) -> int:
+    """``n`` as a number: itself, or a data-dependent size with its symbols at ``hints``."""
+    if isinstance(n, int):
+        return n
+    got = n.node.expr.xreplace(hints)
+    if got.free_symbols:
+        raise ValueError(f"no typical value for the data-dependent size {n.node.expr}")
+    return int(got)
+
+
 def op_name(target: Any) -> str:
     """'aten.mm.default' -> 'mm'."""
     packet = getattr(target, "overloadpacket", None)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.fxops import is_view, op_name
+from autopar.fxops import hinted, is_view, op_name, size_hints
 
 _c10d = torch.ops._c10d_functional
 _WAIT = _c10d.wait_tensor.default
@@ -80,11 +80,13 @@ def _storage(v):
         return None
 
 
-def _nbytes(v) -> int:
+def _nbytes(v, hints: dict) -> int:
+    """Bytes of ``v``'s storage (data-dependent sizes at their typical values: ``fxops.size_hints``)."""
     try:
-        return int(v.untyped_storage().nbytes())
+        nbytes = v.untyped_storage().nbytes()
     except Exception:  # noqa: BLE001
-        return int(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0
+        nbytes = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+    return hinted(nbytes, hints)
 
 
 def _vals(n: torch.fx.Node) -> list:
@@ -146,6 +148,7 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
     values made and read only inside Inductor's kernels are left out (see the module docstring)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
+    hints = size_hints(gm)
     (out_node,) = [n for n in nodes if n.op == "output"]
     outs = {a for a in out_node.all_input_nodes}
     # buffer key -> (bytes, last position it is read, kind); node -> buffer keys it refers to
@@ -172,7 +175,7 @@ def graph_liveness(gm: torch.fx.GraphModule, *, held: int = 0, count_inputs: boo
             k = canon.get(k, k)
             keys.append(k)
             if k not in size:
-                size[k] = _nbytes(v)
+                size[k] = _nbytes(v, hints)
                 kind[k] = ("preheld" if n.name in preheld else "input") if n.op == "placeholder" else "other"
                 last[k] = order[n]
         refs[n] = keys

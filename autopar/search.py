@@ -234,8 +234,9 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                                 continue
                             if "reshard" in pins and fsdp and reshard != pins["reshard"]:
                                 continue
-                            out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v,
-                                              prefetch=pins.get("prefetch", 1), cp=cp, ep=pins.get("ep", 1)))
+                            for ep in ep_options(m, tp, cp, dp, shard if fsdp else 1, pins):
+                                out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v,
+                                                  prefetch=pins.get("prefetch", 1), cp=cp, ep=ep))
     return out
 
 
@@ -255,6 +256,19 @@ def cp_options(ctx: CostContext, ranks: int, pins: dict) -> list[int]:
         return [1]
     return [1] + [c for c in (2, 4, 8, 16, 32) if ranks % c == 0 and m.seq_len % (2 * c) == 0
                   and m.seq_len // (2 * c) >= 1024]
+
+
+def ep_options(m, tp: int, cp: int, dp: int, shard: int, pins: dict) -> list[int]:
+    """Expert-parallel degrees to try: the pinned one (if it divides dp); else 1 and, for a model
+    with routed experts, the FSDP shard degree when it divides every block's experts: each rank
+    then reads only its own experts' weights (``ep_owned``), what makes EP pay. autopar's executor
+    runs EP with data and pipeline parallelism, not yet with TP or CP."""
+    if "ep" in pins:
+        return [pins["ep"]] if dp % pins["ep"] == 0 else []
+    counts = {b.experts[0] for b in m.blocks if b.experts}
+    if not counts or tp > 1 or cp > 1 or shard < 2 or any(e % shard for e in counts):
+        return [1]
+    return [1, shard]
 
 
 def _allowed(pins: dict) -> tuple[bool, bool, bool]:

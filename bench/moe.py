@@ -1,20 +1,24 @@
 """A mixture-of-experts training step: autopar's routed form (each expert on its own tokens, one
 grouped matmul per expert linear) against the dense form it replaced (every expert on every
-token, weighted 0 where not routed) and against FSDP2 on the model's own routed loop (what a user
-would otherwise run), on the same model, in the same processes, in one run.
+token, weighted 0 where not routed), the routed form under expert parallelism (``ep`` = the FSDP
+degree: each rank runs half the experts on the rows both ranks route to them, and receives only
+its own experts' weights), and FSDP2 on the model's own routed loop (what a user would otherwise
+run), on the same model, in the same processes, in one run.
 
 The model: HF Mixtral, hidden 256, 8 experts of FFN 512, top 2, 8 heads, vocabulary 512, fp32,
 ``--layers`` layers; 2 gloo processes under FSDP 2 (reshard after forward, one microbatch a rank,
 as FSDP2 runs it; its ``fully_shard`` per decoder block and on the root, eager). Per side and rank:
 the step time (median of alternating steps), the step's allocator peak above what the process
 held before it (``memory.allocator_peaks``, gloo's staging copies left out), and the first loss
-(the same model on every side). For autopar's two forms also: the executed graphs' liveness peak
-(``memory.step_peak``), the cost model's prediction of the same (activations and gathered
-parameters, ``plan.predicted``), and the expert matmul FLOPs per token of the traced step.
+(the same model on every side). For autopar's forms also: the executed graphs' liveness peak
+(``memory.step_peak``; under EP the routed sizes at their even share), the cost model's prediction
+of the same (activations and gathered parameters, ``plan.predicted``), and the expert matmul FLOPs
+per token of the traced step.
 
 ``python -m bench.moe [--layers 4] [--steps 3]`` writes bench/results/moe.{json,md}.
 Targets (issue 24): the routed form spends the experts' active FLOPs (top_k / E of the dense
-form's), and its step is faster and leaner than the dense form's.
+form's), and its step is faster and leaner than the dense form's; under EP the step is no slower
+than without it.
 """
 
 from __future__ import annotations
@@ -87,10 +91,11 @@ def _run(layers: int, steps: int) -> dict:
     ids, tgt = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
     out: dict = {"layers": layers}
     sides: dict = {}
-    for form, ctx in (("routed", nullcontext), ("dense", dense_form)):
+    for form, ctx, plan in (("routed", nullcontext, PLAN), ("dense", dense_form, PLAN),
+                            ("ep", nullcontext, {**PLAN, "ep": world})):
         t0 = time.perf_counter()
         with ctx():
-            pm = autopar.compile(copy.deepcopy(base), world, example_inputs=(ids,), plan=PLAN, global_batch=BATCH)
+            pm = autopar.compile(copy.deepcopy(base), world, example_inputs=(ids,), plan=plan, global_batch=BATCH)
         out[f"{form}_setup_s"] = time.perf_counter() - t0
         out[f"{form}_liveness_mib"] = memory.step_peak(pm).peak_bytes / 2**20
         pred = pm.plan.predicted
@@ -120,6 +125,7 @@ def _run(layers: int, steps: int) -> dict:
     dist.all_reduce(ref_loss)
     out["loss_routed_vs_fsdp2"] = abs(losses["routed"] - float(ref_loss) / world)
     out["loss_dense_vs_fsdp2"] = abs(losses["dense"] - float(ref_loss) / world)
+    out["loss_ep_vs_fsdp2"] = abs(losses["ep"] - float(ref_loss) / world)
     return out
 
 
@@ -142,6 +148,9 @@ def main(argv=None) -> int:
             if k.endswith(("_mib", "_s")):
                 row[k] = max(x[k] for x in per)  # the worst rank
         row["time_routed_over_dense"] = row["routed_s"] / row["dense_s"]
+        row["time_ep_over_routed"] = row["ep_s"] / row["routed_s"]
+        row["time_ep_over_dense"] = row["ep_s"] / row["dense_s"]
+        row["alloc_ep_over_routed"] = row["ep_alloc_mib"] / row["routed_alloc_mib"]
         row["time_routed_over_fsdp2"] = row["routed_s"] / row["fsdp2_s"]
         row["alloc_routed_over_dense"] = row["routed_alloc_mib"] / row["dense_alloc_mib"]
         row["alloc_routed_over_fsdp2"] = row["routed_alloc_mib"] / row["fsdp2_alloc_mib"]
@@ -152,17 +161,19 @@ def main(argv=None) -> int:
                         f"vocab {VOCAB}, fp32",
                "batch": f"{BATCH} x {SEQ} tokens global, one microbatch per rank",
                "plan": f"FSDP {WORLD} (reshard after forward), no AC, compiled (Inductor)",
-               "sides": "autopar routed form; autopar dense form (every expert on every token); FSDP2 fully_shard "
-                        "per block + root, eager, the model's own routed loop",
+               "sides": "autopar routed form; autopar dense form (every expert on every token); autopar routed form "
+                        f"under EP {WORLD} (experts split over the FSDP ranks); FSDP2 fully_shard per block + root, eager, "
+                        "the model's own routed loop",
                "expected expert FLOPs ratio": f"top_k / E = {TOP_K / EXPERTS}"}
     write("moe", rows, summary,
           ["layers", "routed_expert_gflop_per_token", "dense_expert_gflop_per_token", "flops_routed_over_dense",
-           "routed_s", "dense_s", "fsdp2_s", "time_routed_over_dense", "time_routed_over_fsdp2",
-           "routed_alloc_mib", "dense_alloc_mib", "fsdp2_alloc_mib", "alloc_routed_over_dense",
-           "alloc_routed_over_fsdp2", "routed_liveness_mib", "dense_liveness_mib", "routed_pred_step_mib",
-           "dense_pred_step_mib", "routed_setup_s",
-           "dense_setup_s", "loss_routed_vs_fsdp2", "loss_dense_vs_fsdp2"],
-          "Mixture of experts: the routed form against the dense form and FSDP2")
+           "routed_s", "dense_s", "ep_s", "fsdp2_s", "time_routed_over_dense", "time_ep_over_routed",
+           "time_ep_over_dense", "time_routed_over_fsdp2", "routed_alloc_mib", "dense_alloc_mib", "ep_alloc_mib",
+           "fsdp2_alloc_mib", "alloc_routed_over_dense", "alloc_ep_over_routed", "alloc_routed_over_fsdp2",
+           "routed_liveness_mib", "dense_liveness_mib", "ep_liveness_mib", "routed_pred_step_mib",
+           "dense_pred_step_mib", "ep_pred_step_mib", "routed_setup_s", "dense_setup_s", "ep_setup_s",
+           "loss_routed_vs_fsdp2", "loss_dense_vs_fsdp2", "loss_ep_vs_fsdp2"],
+          "Mixture of experts: the routed form against the dense form, expert parallelism and FSDP2")
     return 0
 
 

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.fx
+import torch.fx.traceback as fx_traceback
 
+from autopar.fxops import TYPICAL
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 
 # What the collectives and their reorders are annotated with (explain, the AC pass, inspect_graph).
@@ -112,7 +114,7 @@ def check_model(model: torch.nn.Module, ep: int) -> None:
                                "which autopar's expert-parallel form does not apply yet; plan with ep=1")
 
 
-def _routing(b: _Block, offs: torch.Tensor, n_experts: int, g: EPGroup):
+def _routing(b: _Block, offs: torch.Tensor, n_experts: int, rows: int, g: EPGroup):
     """The block's dispatch: (rows this rank sends to each rank, rows it receives from each, the
     order that sorts the received rows by local expert, its inverse, the offsets over all ``E``
     experts of the sorted received rows, in which only this rank's experts own rows, and the
@@ -121,8 +123,9 @@ def _routing(b: _Block, offs: torch.Tensor, n_experts: int, g: EPGroup):
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     # recv[j, e]: rows rank j sends to this rank's local expert e.
     recv = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, g.group_name)).view(n, el)
-    send_sizes = counts.view(n, el).sum(1).tolist()
-    recv_sizes = recv.sum(1).tolist()
+    with fx_traceback.annotate({TYPICAL: rows // n}):  # what a liveness walk takes: routing spread evenly
+        send_sizes = counts.view(n, el).sum(1).tolist()
+        recv_sizes = recv.sum(1).tolist()
     for s in (*send_sizes, *recv_sizes):
         torch._check(s >= 0)
     total = sum(recv_sizes)
@@ -151,12 +154,10 @@ def owned_weights(shards: list[torch.Tensor], g: EPGroup) -> list[torch.Tensor]:
 def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup, owned: list | None = None) -> torch.Tensor:
     """The replay of ``grouped_mm`` call ``n`` of block ``b`` under expert parallelism; ``owned``:
     this rank's experts' whole weights (``owned_weights``), else ``args`` hold every expert's."""
-    import torch.fx.traceback as fx_traceback
-
     x, ws, offs = args
     if b.routing is None:
         with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
-            b.routing = _routing(b, offs, len(n.args[1]), g)
+            b.routing = _routing(b, offs, len(n.args[1]), x.shape[0], g)
     send, recv, order, inverse, local_offs, mine_offs = b.routing
     if n in b.dispatched_inputs:
         src = n.args[0]
