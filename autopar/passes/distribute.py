@@ -271,6 +271,42 @@ def _grouped_linear(args: tuple, am: ActMesh, pick=None) -> DTensor | None:
     return DTensor.from_local(out, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
 
 
+def _expert_parallel_tp(n: torch.fx.Node, args: tuple, b, ep: ep_pass.EPGroup, owned, am: ActMesh, tokens):
+    """A routed experts' grouped linear under expert parallelism and TP: ``ep_pass.grouped`` on
+    this rank's TP shards. A call reading rows in token order takes them whole on tp (from the
+    gathered ``tokens`` picked locally when ``tokens`` = (tokens, row indices), so the input
+    gradient stays a partial sum and is reduced once over the tokens, as ``_grouped_linear``); a
+    call reading an earlier call's output reads its local feature shard. Between the calls the
+    experts' rows stay local tensors (their sizes are the routing's); the block's last calls give
+    their combined rows back as a DTensor: partial sums for a row linear (``Shard(1)`` weight),
+    the feature shard for a column. ``owned``: (this rank's experts' TP-local weights, their TP
+    placement), else ``args`` hold every expert's weight as a DTensor."""
+    x, ws, offs = args
+    whole = am.placements()
+
+    def local(t):
+        if not isinstance(t, DTensor):
+            return t
+        return (t if tuple(t.placements) == tuple(whole) else t.redistribute(am.mesh, whole)).to_local()
+
+    weights, pw = owned if owned is not None else ([w.to_local() for w in ws], am.tp_of(ws[0]))
+    if n in b.dispatched_inputs:
+        src = tokens[0] if tokens is not None else x
+        if isinstance(src, DTensor):
+            if tuple(src.placements) != tuple(whole):
+                src = src.redistribute(am.mesh, whole)
+            src = src.to_local(grad_placements=am.placements(tp=Partial()))
+        rows = src[local(tokens[1])] if tokens is not None else src
+    else:
+        rows = x.to_local() if isinstance(x, DTensor) else x
+    y = ep_pass.grouped(n, (rows, weights, local(offs)), b, ep, weights if owned is not None else None)
+    if n not in b.combined:
+        return y
+    pl = am.placements(tp=Partial() if pw == Shard(1) else Shard(1))
+    shape = n.meta["val"].shape
+    return DTensor.from_local(y, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
 def _scaled_partial(args: tuple, am: ActMesh) -> DTensor | None:
     """A partial sum over tp times a smaller replicated value (routed experts' rows by their
     routing weights, a shared expert's output by its gate): the scale's gradient, a partial sum of
@@ -374,7 +410,13 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
             if n in expert_blocks:
-                out = ep_pass.grouped(n, args, expert_blocks[n], ep, owned.get(tuple(n.args[1])))
+                mine = owned.get(tuple(n.args[1]))
+                if am is not None and am.has("tp"):
+                    picked = _picked_tokens(n) if n in expert_blocks[n].dispatched_inputs else None
+                    tokens = (arg(picked[0], picked[2]), env[picked[1]]) if picked is not None else None
+                    out = _expert_parallel_tp(n, args, expert_blocks[n], ep, mine, am, tokens)
+                else:
+                    out = ep_pass.grouped(n, args, expert_blocks[n], ep, mine[0] if mine else None)
             elif split_seq and n.target in ATTENTION_OPS:
                 with fx_traceback.annotate({"pass": "cp"}):
                     kv_nodes = (n.args[1], n.args[2]) if len(n.args) > 2 else (None, None)
@@ -468,11 +510,15 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     def read_experts(unread: list[Unread], consumer: torch.fx.Node) -> list[torch.Tensor]:
         """A grouped linear's expert weights as this rank's experts' whole weights
-        (``ep.owned_weights``), each shard first made whole over the replicas (HSDP) and cast to
-        the compute dtype, as ``read_param`` reads it; None where a weight is not split along its
-        rows over the ep ranks (then each is gathered whole)."""
-        if any(layout.dp[u.index] != Shard(0) or layout.shapes[u.index][0] % layout.ep.size
-               or layout.shapes[u.index] != layout.shapes[unread[0].index] for u in unread):
+        (``ep.owned_weights``: their TP shards under TP) and their TP placement, each shard first
+        made whole over the replicas (HSDP) and cast to the compute dtype, as ``read_param`` reads
+        it; None where the weights are not split alike and evenly over the ep ranks (then each is
+        gathered whole)."""
+        shapes = [layout.tp_local_shape(u.index) for u in unread]
+        dims = {layout.dp[u.index].dim if isinstance(layout.dp[u.index], Shard) else None for u in unread}
+        (dim,) = dims if len(dims) == 1 else (None,)
+        if dim is None or any(shape[dim] % layout.ep.size or shape != shapes[0] for shape in shapes) or len(
+                {layout.tp.get(u.index) for u in unread}) != 1:
             return None
         xs = []
         use_layer = consumer.meta.get("custom", {}).get("layer")
@@ -486,7 +532,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                 if layout.compute is not None and x.dtype != layout.compute:
                     x = x.to(layout.compute)
                 xs.append(x)
-            return ep_pass.owned_weights(xs, layout.ep)
+            return ep_pass.owned_weights(xs, layout.ep, dim), layout.tp.get(unread[0].index, Replicate())
 
     def joint(primals, tangents):
         with implicit_replication():

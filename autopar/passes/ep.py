@@ -138,17 +138,18 @@ def _routing(b: _Block, offs: torch.Tensor, n_experts: int, rows: int, g: EPGrou
     return send_sizes, recv_sizes, order, order.argsort(), local_offs, recv.sum(0).cumsum(0)
 
 
-def owned_weights(shards: list[torch.Tensor], g: EPGroup) -> list[torch.Tensor]:
-    """This rank's ``E / ep`` experts' whole weights from every expert's dim-0 shard on each rank
-    of the ep group (FSDP over exactly those ranks): one all-to-all, each rank sending each owner
-    its shards of that owner's experts (``1 / ep`` of the bytes an FSDP gather of every expert
-    moves). Its backward sends each rank its shard of the owners' whole gradients: no reduction,
-    as only the owner computes an expert's gradient."""
+def owned_weights(shards: list[torch.Tensor], g: EPGroup, dim: int) -> list[torch.Tensor]:
+    """This rank's ``E / ep`` experts' whole weights from every expert's shard along ``dim`` on
+    each rank of the ep group (FSDP over exactly those ranks): one all-to-all, each rank sending
+    each owner its shards of that owner's experts (``1 / ep`` of the bytes an FSDP gather of every
+    expert moves). Its backward sends each rank its shard of the owners' whole gradients: no
+    reduction, as only the owner computes an expert's gradient."""
     n, el = g.size, len(shards) // g.size
-    stacked = torch.stack(shards)  # (E, rows / n, in): the experts in owner order
+    stacked = torch.stack(shards)  # (E, *shard): the experts in owner order
     got = funcol.all_to_all_single_autograd(stacked, None, None, g.group_name)  # [source][my expert]
-    r, c = stacked.shape[1], stacked.shape[2]
-    return list(got.view(n, el, r, c).transpose(0, 1).reshape(el, n * r, c).unbind(0))
+    piece = list(stacked.shape[1:])
+    whole = [*piece[:dim], n * piece[dim], *piece[dim + 1:]]
+    return list(got.view(n, el, *piece).movedim(0, 1 + dim).reshape(el, *whole).unbind(0))
 
 
 def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup, owned: list | None = None) -> torch.Tensor:
