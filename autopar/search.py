@@ -234,7 +234,7 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                                 continue
                             if "reshard" in pins and fsdp and reshard != pins["reshard"]:
                                 continue
-                            for ep in ep_options(m, tp, cp, dp, shard if fsdp else 1, pins):
+                            for ep in ep_options(m, cp, dp, shard if fsdp else 1, pins):
                                 out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v,
                                                   prefetch=pins.get("prefetch", 1), cp=cp, ep=ep))
     return out
@@ -258,15 +258,15 @@ def cp_options(ctx: CostContext, ranks: int, pins: dict) -> list[int]:
                   and m.seq_len // (2 * c) >= 1024]
 
 
-def ep_options(m, tp: int, cp: int, dp: int, shard: int, pins: dict) -> list[int]:
+def ep_options(m, cp: int, dp: int, shard: int, pins: dict) -> list[int]:
     """Expert-parallel degrees to try: the pinned one (if it divides dp); else 1 and, for a model
     with routed experts, the FSDP shard degree when it divides every block's experts: each rank
     then reads only its own experts' weights (``ep_owned``), what makes EP pay. autopar's executor
-    runs EP with data and pipeline parallelism, not yet with TP or CP."""
+    runs EP with data, tensor and pipeline parallelism, not yet with CP."""
     if "ep" in pins:
         return [pins["ep"]] if dp % pins["ep"] == 0 else []
     counts = {b.experts[0] for b in m.blocks if b.experts}
-    if not counts or tp > 1 or cp > 1 or shard < 2 or any(e % shard for e in counts):
+    if not counts or cp > 1 or shard < 2 or any(e % shard for e in counts):
         return [1]
     return [1, shard]
 

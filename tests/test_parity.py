@@ -171,9 +171,14 @@ CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4), case("hf-mixtral", "ep4_fsd
          case("hf-mixtral", "pp2_ep2_fsdp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "1f1b", "mb": 1}),
          case("hf-deepseek-v2-4layers", "pp2_ep2_zbv",
               {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "zbv", "v": 2, "mb": 1})]
+# EP x TP: each rank runs the TP shards of its own experts on the rows its ep group routes to them
+# (Mixtral; DeepSeek-V2 with SP, its latent attention replicated).
+CI_EP_TP = [case("hf-mixtral", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
+            case("hf-deepseek-v2", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1})]
 LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), "models_hf": (4, CI_PLANS_HF),
             "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
-            "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP)}
+            "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP),
+            "ep_tp": (4, CI_EP_TP)}
 MATRIX = {"models_a", "models_b", "models_hf", "models_pp"}
 _results: dict = {}
 
@@ -187,7 +192,8 @@ def _launch(name: str) -> dict:
 
 # Each xdist group runs on one worker, so each launch runs once; two launches at a time.
 GROUP = {"models_a": "parity-a", "models_b": "parity-b", "plans": "parity-b", "pp4": "parity-c", "pp2": "parity-c",
-         "mixed": "parity-a", "cp": "parity-d", "models_hf": "parity-e", "models_pp": "parity-f", "ep": "parity-g"}
+         "mixed": "parity-a", "cp": "parity-d", "models_hf": "parity-e", "models_pp": "parity-f", "ep": "parity-g",
+         "ep_tp": "parity-h"}
 
 
 @pytest.mark.slow
