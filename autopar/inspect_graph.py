@@ -55,7 +55,8 @@ def _compile(build, plan: Plan, layers: int, ac: list[str] | None = None, *, dty
         model = model.to(dtype)
     ids = torch.zeros((batch or plan.dp * plan.mb, plan.seq_len), dtype=torch.long)
     pins = {"tp": plan.tp, "dp": plan.dp, "pp": 1, "sp": int(plan.sp), "fsdp": int(plan.fsdp), "mb": plan.mb,
-            "dp_shard": plan.dp_shard, "ac": plan.layers[0].ac, "reshard": int(plan.reshard_after_forward)}
+            "dp_shard": plan.dp_shard, "ac": plan.layers[0].ac, "reshard": int(plan.reshard_after_forward),
+            **{k: getattr(plan, k) for k in ("cp", "ep") if getattr(plan, k) > 1}}
     p = autopar.plan(model, plan.world_size, example_inputs=(ids,), pin=pins, hardware="h100",
                      global_batch=ids.shape[0], precision=plan.precision)
     if ac is not None:

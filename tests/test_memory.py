@@ -215,6 +215,29 @@ def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
     assert ex["step_peak"] == pytest.approx(predicted, rel=0.10), (ex["per_layer"], pred)
 
 
+# Expert parallelism: the executed step holds the rank's own experts' weights and the rows routed
+# to it (the walk takes each routed size at its even share); measured 0.89 (no AC) and 0.91 (full)
+# of the prediction. Under EP x TP + SP with selective AC the prediction is 26% above (0.74): not
+# asserted here.
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_ep_executed_memory_is_what_the_plan_priced(fake_group, ac):
+    """Mixtral under ep 4 x FSDP 4: the executed graphs' step peak (``explain --graph``) against
+    the plan's gathered parameters and activations, within 15%."""
+    from autopar import inspect_graph
+
+    def build():
+        return zoo.build("hf-mixtral")
+
+    xs, _ = zoo.example("hf-mixtral", 1, B=8, S=32)
+    plan = autopar.plan(build, WORLD, pin=f"ep=4,dp=4,fsdp=1,tp=1,pp=1,ac={ac},mb=1", hardware="h100",
+                        global_batch=8, example_inputs=xs)
+    assert plan.ep == 4
+    ex = inspect_graph.executed_memory(build, plan)
+    pred = plan.predicted["memory_breakdown_gb"]
+    predicted = (pred["unsharded_params"] + pred["activations"]) * 2**30
+    assert ex["step_peak"] == pytest.approx(predicted, rel=0.15), (ex["per_layer"], pred)
+
+
 def _allocated_and_walked(pm, ids) -> tuple[float, int]:
     """After a first step: the allocator's peak over one more (bytes, gradients freed before it)
     and the liveness walk's peak of the compiled step."""
