@@ -62,7 +62,7 @@ class _Block:
     calls: list
     dispatched_inputs: set = field(default_factory=set)
     combined: set = field(default_factory=set)
-    routing: tuple | None = None  # (send sizes, recv sizes, order, inverse order, local offsets)
+    routing: tuple | None = None  # ``_routing``'s, made at the block's first call
     sent: dict = field(default_factory=dict)  # input node -> its rows on the experts' ranks
 
 
@@ -74,28 +74,31 @@ def blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Block]:
     for n in gm.graph.find_nodes(op="call_function", target=GROUPED_MM):
         by_offs.setdefault(n.args[2], []).append(n)
     out = {}
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)} if by_offs else {}
     for offs, calls in by_offs.items():
         b = _Block(offs, calls)
         members = set(calls)
         for c in calls:
-            if not _reaches(c, members - {c}):
+            if not _reaches(c, members - {c}, pos):
                 b.combined.add(c)
-            if not any(_reaches(o, {c}) for o in members - {c}):
+            if not any(_reaches(o, {c}, pos) for o in members - {c}):
                 b.dispatched_inputs.add(c)
         for c in calls:
             out[c] = b
     return out
 
 
-def _reaches(src: torch.fx.Node, targets: set) -> bool:
-    """Whether a node of ``targets`` uses ``src``'s value, directly or through other nodes."""
+def _reaches(src: torch.fx.Node, targets: set, pos: dict) -> bool:
+    """Whether a node of ``targets`` uses ``src``'s value, directly or through other nodes (only
+    nodes before the last target, in graph order, can lead to one)."""
+    end = max((pos[t] for t in targets), default=-1)
     seen, todo = set(), [src]
     while todo:
         x = todo.pop()
         for u in x.users:
             if u in targets:
                 return True
-            if u not in seen:
+            if u not in seen and pos[u] < end:
                 seen.add(u)
                 todo.append(u)
     return False
