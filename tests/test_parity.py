@@ -161,11 +161,12 @@ CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
 # them (all-to-alls sized by the routing); Mixtral's experts sharded over exactly the ep ranks
 # (each rank receives only its own experts' weights), in fp32 and in bf16 against FSDP2; Qwen3-MoE
 # over an HSDP shard group of ep ranks; DeepSeek-V2 (a gate module routes, shared experts) with
-# ep 2 of FSDP 4 (every expert gathered) and a full recompute (the routing run again); pipeline
+# ep 2 of FSDP 4 (every expert gathered) and a full recompute (the routing run again); the user's
+# own loop (``pm(x)``: a forward graph routed likewise, autograd through the runtime); pipeline
 # stages whose data-parallel ranks split the experts (1F1B; zero bubble: the weight-gradient
 # graph takes the routed sizes from the input-gradient one).
 EP4_FSDP4 = {"ep": 4, "dp": 4, "fsdp": 1}
-CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4), case("hf-mixtral", "ep4_fsdp4_bf16", EP4_FSDP4, mp="bf16-mixed"),
+CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mixtral", "ep4_fsdp4_bf16", EP4_FSDP4, mp="bf16-mixed"),
          case("hf-qwen3-moe", "ep2_hsdp2x2", {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1}),
          case("hf-deepseek-v2", "ep2_fsdp4_ac_full", {"ep": 2, "dp": 4, "fsdp": 1, "ac": "full"}),
          case("hf-mixtral", "pp2_ep2_fsdp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "1f1b", "mb": 1}),
