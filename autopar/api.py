@@ -291,7 +291,7 @@ def default_global_batch(seq_len: int, world: int = 1) -> int:
 def make_context(
     prof: analysis.ModelProfile, *, world: int = 1, hardware: str | dict | Hardware = "h100", global_batch: int | None = None,
     precision: str = "bf16", memory_limit_gb: float | None = None, compiled: bool = True,
-    async_tp: bool = False, fp8: bool = False,
+    async_tp: bool = False, fp8: bool = False, ep_imbalance: float = 1.0,
 ) -> CostContext:
     prec = precision_of(precision)
     precision = prec.name
@@ -305,7 +305,11 @@ def make_context(
                            "profile with \"float8\": true")
     if memory_limit_gb is not None and memory_limit_gb <= 0:
         raise AutoparError(f"memory limit must be positive, got {memory_limit_gb} GB")
-    return CostContext(prof, hw, int(global_batch), precision, compiled, async_tp, fp8, memory_limit_gb)
+    if not ep_imbalance >= 1.0:
+        raise AutoparError(f"ep imbalance {ep_imbalance}: the busiest expert-parallel rank's routed rows over the mean, "
+                           "at least 1 (1: routing spread evenly)")
+    return CostContext(prof, hw, int(global_batch), precision, compiled, async_tp, fp8, memory_limit_gb,
+                       ep_imbalance=float(ep_imbalance))
 
 
 def _world(world_size_or_mesh: Any) -> int:
@@ -324,22 +328,23 @@ def plan(
     hardware: str | dict | Hardware = "h100", global_batch: int | None = None, pin: str | dict | None = None,
     memory_limit_gb: float | None = None, precision: str = "bf16", seq_len: int | None = None,
     top_k: int = 3, loss_fn: Callable | None = None, progress: Callable | None = None,
-    profiled: Profiled | None = None,
+    profiled: Profiled | None = None, ep_imbalance: float = 1.0,
 ) -> Plan:
     """Plan ``model`` for a mesh: the fastest TP/SP/PP/FSDP/AC layout that fits in memory.
     ``example_inputs`` (and ``example_target`` for a loss of one's own on inputs other than token
-    ids), as ``compile`` takes them; without them, a preset or config is planned on token ids."""
+    ids), as ``compile`` takes them; without them, a preset or config is planned on token ids.
+    ``ep_imbalance``: under expert parallelism, the busiest rank's routed rows over the mean."""
     world = _world(world_size_or_mesh)
     prof = profiled or profile_model(model, seq_len=seq_len, example_inputs=example_inputs,
                                      example_target=example_target, precision=precision, loss_fn=loss_fn)
     ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
-                       precision=precision, memory_limit_gb=memory_limit_gb)
+                       precision=precision, memory_limit_gb=memory_limit_gb, ep_imbalance=ep_imbalance)
     pins = search_mod.parse_pins(pin)
     res = search_mod.search(ctx, world, pins=pins, top_k=top_k, progress=progress)
     log.info("planned %s on %d GPUs: capture+analysis %.2fs, search %.2fs (%d configs, %d MILPs)",
              prof.source_name, world, prof.seconds, res.seconds, res.n_configs, res.n_milp)
-    return dataclasses.replace(to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up,
-                                       schedules=res.schedules), notes=prof.notes + _batch_notes(ctx, global_batch, world))
+    p = to_plan(ctx, res.best, world, pins=pins, runners_up=res.runners_up, schedules=res.schedules)
+    return dataclasses.replace(p, notes=prof.notes + _batch_notes(ctx, global_batch, world) + p.notes)
 
 
 def _batch_notes(ctx: CostContext, given: int | None, world: int) -> tuple[str, ...]:
@@ -373,12 +378,12 @@ def plan_candidates(
 
 def estimate_plan(
     model: Any, world: int, config: str | dict, *, hardware="h100", global_batch=None, precision="bf16",
-    memory_limit_gb=None, seq_len=None, profiled: Profiled | None = None,
+    memory_limit_gb=None, seq_len=None, profiled: Profiled | None = None, ep_imbalance: float = 1.0,
 ) -> tuple[Plan, Estimate, CostContext]:
     """Price a configuration the user gives (``tp=8,pp=8,dp=1,...``) with the planner's model."""
     prof = profiled or profile_model(model, seq_len=seq_len, precision=precision)
     ctx = make_context(prof.profile, world=world, hardware=hardware, global_batch=global_batch,
-                       precision=precision, memory_limit_gb=memory_limit_gb)
+                       precision=precision, memory_limit_gb=memory_limit_gb, ep_imbalance=ep_imbalance)
     kv = search_mod.parse_pins(config)
     tp, pp, cp = kv.get("tp", 1), kv.get("pp", 1), kv.get("cp", 1)
     dp = kv.get("dp", world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0)
@@ -456,6 +461,8 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         schedules=tuple({"schedule": s.config.schedule, "v": s.config.v, "step_time_s": s.step_time_s,
                          "bubble_s": s.breakdown.get("bubble", 0.0), "memory_gb_per_gpu": s.peak_memory_gb}
                         for s in schedules),
+        notes=(f"expert parallelism priced with the busiest rank routed {ctx.ep_imbalance:g}x the mean rows "
+               "(--ep-imbalance)",) if cfg.ep > 1 and ctx.ep_imbalance != 1.0 else (),
     )
 
 

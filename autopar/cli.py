@@ -32,6 +32,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{p.name}: {p.about}" for p in PRECISIONS.values())
                    + " (bf16 = bf16-mixed, fp16 = fp16-mixed; default bf16-mixed)")
     p.add_argument("--memory-limit-gb", type=float, default=None, help="per-GPU limit in GiB (default: the profile's)")
+    p.add_argument("--ep-imbalance", type=float, default=1.0,
+                   help="under expert parallelism, the busiest rank's routed tokens over the mean (default 1: even)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -222,7 +224,7 @@ def _run(args) -> int:
         _plot(p, args)
         return 0
     common = dict(hardware=args.hardware, global_batch=args.global_batch, precision=args.precision,
-                  memory_limit_gb=args.memory_limit_gb, seq_len=args.seq_len)
+                  memory_limit_gb=args.memory_limit_gb, seq_len=args.seq_len, ep_imbalance=args.ep_imbalance)
     if args.cmd == "explain":
         with _Progress() as prog:
             p = api.plan(args.model, args.gpus, pin=args.pin, top_k=args.top, progress=prog.update, **common)

@@ -338,3 +338,27 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp):
         return
     (layer_bytes, gathers), = priced("all_gather", "dp_shard").items()
     assert executed("all_gather_into_tensor", layer_bytes) == gathers == L * (1 + reshard)
+
+
+def test_ep_imbalance_prices_the_busiest_rank():
+    """``ep_imbalance`` (``--ep-imbalance``): the busiest ep rank's expert matmuls and routed rows
+    at that multiple of the even share, the rest of the layer as it was; said in the plan."""
+    from autopar import api
+
+    m = zoo.build("hf-mixtral")
+    xs, _ = zoo.example("hf-mixtral", 1, B=8, S=32)
+    prof = api.profile_model(m, example_inputs=xs)
+
+    def price(imbalance):
+        return api.estimate_plan(m, 4, "ep=4,dp=4,fsdp=1,mb=2", hardware="h100", global_batch=8, profiled=prof,
+                                 ep_imbalance=imbalance)
+
+    (even, e1, _), (skew, e2, _) = price(1.0), price(2.0)
+    extra = e2.breakdown["compute"] - e1.breakdown["compute"]
+    assert 0 < extra < 0.5 * e1.breakdown["compute"]  # the experts' share, not the whole layer
+    rows = [{c["why"]: c["bytes"] for c in p.collectives if c["group"] == "ep"} for p in (even, skew)]
+    routed = next(k for k in rows[0] if "routed rows" in k)
+    assert rows[1][routed] == 2 * rows[0][routed]
+    assert not even.notes and "2x the mean rows" in skew.notes[0]
+    with pytest.raises(AutoparError, match="at least 1"):
+        price(0.5)

@@ -40,6 +40,7 @@ profile's reserve.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -176,6 +177,9 @@ class CostContext:
     # fused kernel (autopar's executor: one graph); False where they run eagerly beside compiled
     # blocks (the published runs: torchtitan compiles each block, its loss ran eagerly).
     fused_loss: bool = True
+    # Expert parallelism: the busiest ep rank's routed rows over the mean (1: routing spread
+    # evenly). Its expert matmuls and the all-to-alls' messages scale by it; the rest waits.
+    ep_imbalance: float = 1.0
 
     @property
     def limit_bytes(self) -> float:
@@ -307,6 +311,8 @@ class StageModel:
         ctx, cfg = self.ctx, self.cfg
         tp, mb, sp = cfg.tp, self.tokens, cfg.sp
         ct = self._times(b.costs, mb, tp, sp, ctx.float8)
+        if cfg.ep > 1 and b.experts and ctx.ep_imbalance != 1.0:
+            ct = self._imbalanced(b, ct, mb, tp, sp)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         saved = getattr(b, "saved_partitioned", None) if ctx.activations == "partitioned" else None
         saved = saved or b.saved
@@ -428,6 +434,17 @@ class StageModel:
             self._cache[key] = node_times(costs, ctx.hw, mb=mb, tp=tp, sp=sp, bytes_scale=ctx.bytes_scale,
                                           compiled=ctx.compiled, fp8=fp8, compute=ctx.prec.compute)
         return self._cache[key]
+
+    def _imbalanced(self, b: BlockProfile, ct, mb: float, tp: int, sp: bool):
+        """``ct`` with the block's expert matmuls (its ``grouped_mm`` nodes) on the busiest ep
+        rank: ``ctx.ep_imbalance`` times their even share."""
+        key = ("experts", id(b))
+        if key not in self._cache:
+            self._cache[key] = b.costs.subset(np.array([n.startswith("grouped_mm") for n in b.costs.names]))
+        ex = self._times(self._cache[key], mb, tp, sp, self.ctx.float8)
+        more = self.ctx.ep_imbalance - 1.0
+        return dataclasses.replace(ct, fwd=ct.fwd + more * ex.fwd, bwd=ct.bwd + more * ex.bwd,
+                                   recompute_selective=ct.recompute_selective + more * ex.recompute_selective)
 
     def _average(self) -> LayerCoeffs:
         """The layers' mean coefficients, shared by the configurations whose layer coefficients are the same."""
@@ -891,13 +908,14 @@ def ep_owned(cfg: Config) -> bool:
 def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
     """What expert parallelism moves per layer and microbatch (kind, bytes each rank sends,
     forward count, backward count, why): the experts' row counts, each token's ``top_k`` rows to
-    their experts' ranks and the experts' outputs back (routing spread evenly over the experts),
-    and, where each rank reads only its own experts (``ep_owned``), their weights' shards."""
+    their experts' ranks and the experts' outputs back (the busiest rank's: ``ctx.ep_imbalance``
+    times the even share), and, where each rank reads only its own experts (``ep_owned``), their
+    weights' shards."""
     if cfg.ep == 1 or not b.experts:
         return []
     n_experts, top_k = b.experts
     m = ctx.model
-    rows = cfg.mb / cfg.cp * m.seq_len * top_k * m.hidden * ctx.act_bytes
+    rows = cfg.mb / cfg.cp * m.seq_len * top_k * m.hidden * ctx.act_bytes * ctx.ep_imbalance
     out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count"),
            ("all_to_all", rows, 2, 2, "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
     if ep_owned(cfg):  # one all-to-all per grouped linear (gate, up, down)
