@@ -136,6 +136,11 @@ class BlockProfile:
         return (len(lin.group), lin.in_rows) if lin is not None else None
 
     @property
+    def experts_biased(self) -> bool:
+        """Whether the routed experts' linears have biases (which expert parallelism does not split)."""
+        return any(w.removesuffix("weight") + "bias" in self.param_shapes for l in self.linears for w in l.group)
+
+    @property
     def expert_params(self) -> int:
         """Elements of the routed experts' linear weights (every expert's)."""
         return sum(math.prod(self.param_shapes[w]) for l in self.linears for w in l.group)

@@ -266,7 +266,8 @@ def ep_options(m, cp: int, dp: int, shard: int, pins: dict) -> list[int]:
     if "ep" in pins:
         return [pins["ep"]] if dp % pins["ep"] == 0 else []
     counts = {b.experts[0] for b in m.blocks if b.experts}
-    if not counts or cp > 1 or shard < 2 or any(e % shard for e in counts):
+    biased = any(b.experts_biased for b in m.blocks if b.experts)
+    if not counts or biased or cp > 1 or shard < 2 or any(e % shard for e in counts):
         return [1]
     return [1, shard]
 

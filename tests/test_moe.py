@@ -362,3 +362,24 @@ def test_ep_imbalance_prices_the_busiest_rank():
     assert not even.notes and "2x the mean rows" in skew.notes[0]
     with pytest.raises(AutoparError, match="at least 1"):
         price(0.5)
+
+
+def test_ep_refused_for_experts_with_biases():
+    """Experts whose linears have biases (gpt-oss) run routed, but expert parallelism does not
+    split them yet: pinned, it is refused with the reason; searched, it is not tried."""
+    from autopar import api, search
+
+    torch.manual_seed(0)
+    plain = api.profile_model(_qwen2_moe(2), seq_len=16).profile
+    assert {c.ep for c in search.enumerate_configs(api.make_context(plain, world=4, global_batch=8), 4, {})} == {1, 2, 4}
+    model = _qwen2_moe(2)
+    for layer in model.model.layers:
+        for expert in layer.mlp.experts:
+            for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                lin.bias = nn.Parameter(torch.zeros(lin.out_features))
+    prof = api.profile_model(model, seq_len=16)
+    assert all(b.experts_biased for b in prof.profile.blocks if b.experts)
+    with pytest.raises(AutoparError, match="have biases"):
+        api.estimate_plan(model, 4, "ep=2,dp=4,fsdp=1", global_batch=8, profiled=prof)
+    ctx = api.make_context(prof.profile, world=4, global_batch=8)
+    assert {c.ep for c in search.enumerate_configs(ctx, 4, {})} == {1}

@@ -1023,6 +1023,10 @@ def validate_ep(m: ModelProfile, ep: int, dp: int | None = None) -> None:
     if not counts:
         raise AutoparError(f"ep={ep}: {m.name} has no routed experts (a mixture-of-experts block whose experts "
                            "are linears), so there is nothing to split over ep ranks; use ep=1")
+    biased = sorted({b.cls_name for b in m.blocks if b.experts and b.experts_biased})
+    if biased:
+        raise AutoparError(f"ep={ep}: the experts of {m.name}'s {', '.join(biased)} have biases, which autopar's "
+                           "expert-parallel form does not apply yet; use ep=1")
     bad = sorted(e for e in counts if e % ep)
     if bad:
         raise AutoparError(f"ep={ep} does not divide the {bad[0]} experts of {m.name}'s blocks; choose an ep that "
