@@ -724,8 +724,11 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
 
         # Experts sharded over exactly the ep ranks (FSDP over dp_shard = ep): each rank reads
         # only its own experts' weights.
-        lay.ep = EPGroup(ep_mesh(mesh, p).get_group().group_name, p.ep,
-                         owners_read=p.fsdp and p.dp_shard == p.ep and p.cp == 1)
+        from autopar.passes.groups import register_group
+
+        pg = ep_mesh(mesh, p).get_group()
+        register_group(mesh, f"ep{p.ep}", pg)  # one name on every rank: ep groups' graphs are the same text
+        lay.ep = EPGroup(pg.group_name, p.ep, owners_read=p.fsdp and p.dp_shard == p.ep and p.cp == 1)
     return lay, rules
 
 

@@ -36,32 +36,45 @@ def register(mesh) -> None:
     launches and processes: Inductor's cache serves them all). A later mesh of the same ranks
     takes the name over (its groups are the same ranks: graphs compiled for the earlier one run
     on it just as well, and a destroyed earlier mesh leaves nothing behind)."""
-    import hashlib
-
-    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    ranks = hashlib.sha256(str(mesh.mesh.tolist()).encode()).hexdigest()[:8]
     named = set()  # a flattened dim of one mesh dim's size is that dim's group: named by the mesh dim
     for d in mesh_dims(mesh):
         try:
             pg = mesh.get_group(d)
         except (KeyError, RuntimeError, ValueError):  # a flattened dim of another part of the root mesh
             continue
-        alias = f"{PREFIX}{d}:{ranks}"
-        try:
-            if _resolve_process_group(alias) is pg:
-                named.add(pg.group_name)
-                continue
-            _unregister_process_group(alias)
-        except (KeyError, RuntimeError, ValueError):
-            pass
-        _register_process_group(alias, pg)
-        _DIM[alias] = d
-        if pg.group_name not in named:
+        _name(pg, d, f"{PREFIX}{d}:{_digest(mesh)}", named)
+
+
+def register_group(mesh, dim: str, pg) -> None:
+    """Register ``pg``, this rank's group of a split of ``mesh``'s ranks that is not one of its dims
+    (expert parallelism's ``ep`` ranks, carved out of the data-parallel ones), as ``register``
+    does, under ``dim`` (which says the split: e.g. ``ep4``)."""
+    _name(pg, dim, f"{PREFIX}{dim}:{_digest(mesh)}", set())
+
+
+def _digest(mesh) -> str:
+    import hashlib
+
+    return hashlib.sha256(str(mesh.mesh.tolist()).encode()).hexdigest()[:8]
+
+
+def _name(pg, d: str, alias: str, named: set) -> None:
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        if _resolve_process_group(alias) is pg:
             named.add(pg.group_name)
-            _ALIAS[pg.group_name] = alias
-            _DIM[pg.group_name] = d
+            return
+        _unregister_process_group(alias)
+    except (KeyError, RuntimeError, ValueError):
+        pass
+    _register_process_group(alias, pg)
+    _DIM[alias] = d
+    if pg.group_name not in named:
+        named.add(pg.group_name)
+        _ALIAS[pg.group_name] = alias
+        _DIM[pg.group_name] = d
 
 
 def dim_of(group_name: str) -> str | None:
