@@ -31,7 +31,7 @@ def test_an_error_every_rank_meets_is_raised_on_every_rank():
     outs = [p.communicate(timeout=300) for p in procs]
     for r, (out, err) in enumerate(outs):
         assert procs[r].returncode == 0, (r, out, err[-2000:])
-        assert f"CAUGHT rank {r}: unknown pin 'ep'" in out, (r, out, err[-2000:])
+        assert f"CAUGHT rank {r}: unknown pin 'tensor'" in out, (r, out, err[-2000:])
         assert "stops: it was waiting" not in err
 
 

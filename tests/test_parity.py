@@ -158,18 +158,17 @@ CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
     # Pipeline stages that send each cp rank's own tokens to the next (cp.sent, cp.received).
     case("hf-llama", "pp2_cp2", {"pp": 2, "cp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 2}, seq=128)]
 # Expert parallelism: each rank runs its share of the experts on the rows all ranks route to
-# them (all-to-alls sized by the routing); Mixtral's experts sharded over exactly the ep ranks
-# (each rank receives only its own experts' weights), in fp32 and in bf16 against FSDP2; Qwen3-MoE
-# over an HSDP shard group of ep ranks; DeepSeek-V2 (a gate module routes, shared experts) with
-# ep 2 of FSDP 4 (every expert gathered) and a full recompute (the routing run again); the user's
-# own loop (``pm(x)``: a forward graph routed likewise, autograd through the runtime); pipeline
-# stages whose data-parallel ranks split the experts (1F1B; zero bubble: the weight-gradient
-# graph takes the routed sizes from the input-gradient one).
+# them (all-to-alls sized by the routing). Mixtral's experts sharded over exactly the ep ranks
+# (each rank receives only its own experts' weights), in fp32 (also through the user's own loop,
+# ``pm(x)``) and in bf16 against FSDP2; Qwen3-MoE over an HSDP shard group of ep ranks with a full
+# recompute (the routing run again); pipeline stages whose data-parallel ranks split the experts:
+# Mixtral under DDP (every expert whole on every rank) with 1F1B, DeepSeek-V2 (a gate module
+# routes, shared experts) under zbv (the weight-gradient graph takes the routed sizes from the
+# input-gradient one).
 EP4_FSDP4 = {"ep": 4, "dp": 4, "fsdp": 1}
 CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mixtral", "ep4_fsdp4_bf16", EP4_FSDP4, mp="bf16-mixed"),
-         case("hf-qwen3-moe", "ep2_hsdp2x2", {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1}),
-         case("hf-deepseek-v2", "ep2_fsdp4_ac_full", {"ep": 2, "dp": 4, "fsdp": 1, "ac": "full"}),
-         case("hf-mixtral", "pp2_ep2_fsdp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "1f1b", "mb": 1}),
+         case("hf-qwen3-moe", "ep2_hsdp2x2_ac_full", {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1, "ac": "full"}),
+         case("hf-mixtral", "pp2_ep2_ddp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "1f1b", "mb": 1}),
          case("hf-deepseek-v2-4layers", "pp2_ep2_zbv",
               {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "zbv", "v": 2, "mb": 1})]
 # EP x TP: each rank runs the TP shards of its own experts on the rows its ep group routes to them

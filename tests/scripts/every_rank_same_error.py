@@ -13,7 +13,7 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 try:
     autopar.compile(zoo.build("llama-tiny"), dist.get_world_size(), example_inputs=(torch.zeros(8, 32, dtype=torch.long),),
-                    plan={"ep": 2})
+                    plan={"tensor": 2})
     print("NO ERROR", flush=True)
 except AutoparError as e:
     print(f"CAUGHT rank {dist.get_rank()}: {e}", flush=True)
