@@ -32,8 +32,10 @@ from autopar.cost_models.step import (
     CostContext,
     Estimate,
     StageModel,
+    ep_owned,
     uniform_assignment,
     validate_config,
+    validate_ep,
 )
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import PRECISIONS, LayerPlan, Plan, ShardRule, stage_rank
@@ -721,14 +723,12 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
     lay.act_mesh = ActMesh.of(mesh, tuple(d for d in ("cp", "tp") if getattr(p, d) > 1))
     if p.ep > 1:
         from autopar.passes.ep import EPGroup
-
-        # Experts sharded over exactly the ep ranks (FSDP over dp_shard = ep): each rank reads
-        # only its own experts' weights.
         from autopar.passes.groups import register_group
 
         pg = ep_mesh(mesh, p).get_group()
         register_group(mesh, f"ep{p.ep}", pg)  # one name on every rank: ep groups' graphs are the same text
-        lay.ep = EPGroup(pg.group_name, p.ep, owners_read=p.fsdp and p.dp_shard == p.ep and p.cp == 1)
+        # Experts sharded over exactly the ep ranks: each rank reads only its own experts' weights.
+        lay.ep = EPGroup(pg.group_name, p.ep, owners_read=ep_owned(p))
     return lay, rules
 
 
@@ -1038,10 +1038,7 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     if p.ep > 1 and p.cp > 1:
         raise AutoparError(f"expert parallelism (ep={p.ep}) does not run with context parallelism (cp={p.cp}) yet: "
                            "plan with ep=1 or cp=1")
-    if p.ep > 1:
-        from autopar.passes.ep import check_model
-
-        check_model(model, p.ep)
+    validate_ep(prof.profile, p.ep, p.dp)  # a saved plan's too: the experts it splits are this model's
     if p.cp > 1 and not capture.is_token_ids(example_inputs[0]):
         raise AutoparError(f"context parallelism (cp={p.cp}) splits sequences of token ids over ranks; this model "
                            f"takes {tuple(example_inputs[0].shape)} {example_inputs[0].dtype} inputs: plan with cp=1")

@@ -97,3 +97,18 @@ def test_tensor_parallel_ranks_compile_the_same_graphs():
     # the embedding's and the loss's masks (forward, loss backward) and the embedding gradient's chunk
     assert d[0]["reads"] >= 3, d
     assert d[0]["key"] == d[1]["key"], d
+
+
+def test_expert_parallel_groups_compile_the_same_graphs():
+    """Mixtral under ep 2 x HSDP 2x2: ranks 0 and 2 are in different ep groups, whose collectives
+    name their group alike (``groups.register_group``), so their graphs are the same text and one
+    compile serves both."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "fake_pg_same_graphs.py")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    procs = [subprocess.Popen([sys.executable, script, str(r), "ep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in (0, 2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    d = [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
+    assert d[0]["key"] == d[1]["key"], d

@@ -899,9 +899,10 @@ def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
 EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again after reshard, gradients back (bwd)"
 
 
-def ep_owned(cfg: Config) -> bool:
+def ep_owned(cfg) -> bool:
     """Whether each ep rank reads only its own experts' weights: FSDP shards them over exactly the
-    ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers."""
+    ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers.
+    ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
     return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
 
 

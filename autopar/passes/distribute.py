@@ -247,28 +247,39 @@ def _grouped_linear(args: tuple, am: ActMesh, pick=None) -> DTensor | None:
         return None
     if pick is not None and pw != Shard(0):
         return None
-    whole = am.placements()
-
-    def to(t, pl):  # a redistribute to the same placements would still reduce a partial gradient
-        return t if tuple(t.placements) == tuple(pl) else t.redistribute(am.mesh, pl)
-
-    def local(t):
-        return to(t, whole).to_local() if isinstance(t, DTensor) else t
-
-    offs_local = local(offs)
+    offs_local = _whole_local(offs, am)
     local_ws = [w.to_local() for w in ws]
     if pw == Shard(0):
-        rows = to(x, whole).to_local(grad_placements=am.placements(tp=Partial()))
+        rows = _rows_whole(x, am)
         if pick is not None:
-            rows = rows[local(pick)]
+            rows = rows[_whole_local(pick, am)]
         out = grouped_mm(rows, local_ws, offs_local)
         pl = am.placements(tp=Shard(1))
     else:
-        rows = to(x, am.placements(tp=Shard(1))).to_local()
+        rows = _placed(x, am, am.placements(tp=Shard(1))).to_local()
         out = grouped_mm(rows, local_ws, offs_local)
         pl = am.placements(tp=Partial())
     shape = torch.Size((rows.shape[0], ws[0].shape[0]))
     return DTensor.from_local(out, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
+def _placed(t: DTensor, am: ActMesh, pl) -> DTensor:
+    """``t`` with placements ``pl`` (a redistribute to the same placements would still reduce a
+    partial gradient)."""
+    return t if tuple(t.placements) == tuple(pl) else t.redistribute(am.mesh, pl)
+
+
+def _whole_local(t, am: ActMesh):
+    """A DTensor as its whole value on this rank; anything else as it is."""
+    return _placed(t, am, am.placements()).to_local() if isinstance(t, DTensor) else t
+
+
+def _rows_whole(x, am: ActMesh) -> torch.Tensor:
+    """A column's input rows whole on this rank, their gradient a partial sum over tp (each rank's
+    feature shard's), reduced where the rows were gathered."""
+    if not isinstance(x, DTensor):
+        return x
+    return _placed(x, am, am.placements()).to_local(grad_placements=am.placements(tp=Partial()))
 
 
 def _expert_parallel_tp(n: torch.fx.Node, args: tuple, b, ep: ep_pass.EPGroup, owned, am: ActMesh, tokens):
@@ -282,24 +293,12 @@ def _expert_parallel_tp(n: torch.fx.Node, args: tuple, b, ep: ep_pass.EPGroup, o
     the feature shard for a column. ``owned``: (this rank's experts' TP-local weights, their TP
     placement), else ``args`` hold every expert's weight as a DTensor."""
     x, ws, offs = args
-    whole = am.placements()
-
-    def local(t):
-        if not isinstance(t, DTensor):
-            return t
-        return (t if tuple(t.placements) == tuple(whole) else t.redistribute(am.mesh, whole)).to_local()
-
     weights, pw = owned if owned is not None else ([w.to_local() for w in ws], am.tp_of(ws[0]))
     if n in b.dispatched_inputs:
-        src = tokens[0] if tokens is not None else x
-        if isinstance(src, DTensor):
-            if tuple(src.placements) != tuple(whole):
-                src = src.redistribute(am.mesh, whole)
-            src = src.to_local(grad_placements=am.placements(tp=Partial()))
-        rows = src[local(tokens[1])] if tokens is not None else src
+        rows = _rows_whole(tokens[0], am)[_whole_local(tokens[1], am)] if tokens is not None else _rows_whole(x, am)
     else:
         rows = x.to_local() if isinstance(x, DTensor) else x
-    y = ep_pass.grouped(n, (rows, weights, local(offs)), b, ep, weights if owned is not None else None)
+    y = ep_pass.grouped(n, (rows, weights, _whole_local(offs, am)), b, ep, weights if owned is not None else None)
     if n not in b.combined:
         return y
     pl = am.placements(tp=Partial() if pw == Shard(1) else Shard(1))
@@ -410,7 +409,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
             if n in expert_blocks:
-                mine = owned.get(tuple(n.args[1]))
+                mine = owned.get(ws)
                 if am is not None and am.has("tp"):
                     picked = _picked_tokens(n) if n in expert_blocks[n].dispatched_inputs else None
                     tokens = (arg(picked[0], picked[2]), env[picked[1]]) if picked is not None else None

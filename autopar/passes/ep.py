@@ -11,9 +11,12 @@ block sharing the rows' end offsets per expert. The distribute pass replays each
   rows themselves (``all_to_all_single`` with the counts' sums as split sizes: data-dependent
   sizes, traced as unbacked symbolic sizes), and the rows received from the ``ep`` sources are
   reordered by local expert (a stable sort, so each expert's rows keep source order).
-- the **experts** run on the received rows only: ``grouped_mm`` with every expert's weight and
-  end offsets in which the other ranks' experts own no rows (their weights' gradients are zeros
-  here; the rank that owns them computes them, and the data-parallel reduction sums them).
+- the **experts** run on the received rows only. Where FSDP shards the experts' weights over
+  exactly the ep ranks, each rank receives its own experts' whole weights (``owned_weights``: one
+  all-to-all of shards per expert linear) and runs ``grouped_mm`` over them alone; otherwise with
+  every expert's (gathered or replicated) weight and end offsets in which the other ranks'
+  experts own no rows (their gradients are zeros here; the owner computes them, and the
+  data-parallel reduction sums them).
 - **combine** (after the block's last grouped linears): the rows back in received order and to
   the ranks they came from (the reverse all-to-all); the model's own weighting and sum over
   each token's ``top_k`` rows then run as on one process.
@@ -55,14 +58,13 @@ class EPGroup:
 
 @dataclass
 class _Block:
-    """One routed experts' block: its grouped linears (sharing one offsets node), which inputs
-    are dispatched (rows in token order) and which outputs combined (the experts' last linears)."""
+    """One routed experts' block (its grouped linears share one offsets node): which of its calls
+    read dispatched rows (rows in token order) and which outputs are combined (the last linears)."""
 
-    offs: torch.fx.Node
-    calls: list
     dispatched_inputs: set = field(default_factory=set)
     combined: set = field(default_factory=set)
     routing: tuple | None = None  # ``_routing``'s, made at the block's first call
+    offsets: dict = field(default_factory=dict)  # owned weights or not -> the grouped_mm's end offsets
     sent: dict = field(default_factory=dict)  # input node -> its rows on the experts' ranks
 
 
@@ -75,8 +77,8 @@ def blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Block]:
         by_offs.setdefault(n.args[2], []).append(n)
     out = {}
     pos = {n: i for i, n in enumerate(gm.graph.nodes)} if by_offs else {}
-    for offs, calls in by_offs.items():
-        b = _Block(offs, calls)
+    for calls in by_offs.values():
+        b = _Block()
         members = set(calls)
         for c in calls:
             if not _reaches(c, members - {c}, pos):
@@ -104,24 +106,10 @@ def _reaches(src: torch.fx.Node, targets: set, pos: dict) -> bool:
     return False
 
 
-def check_model(model: torch.nn.Module, ep: int) -> None:
-    """Refuse expert parallelism on routed experts it cannot split: experts whose linears have
-    biases (added per row by expert index, which a rank's received rows do not carry)."""
-    from autopar import traceable
-    from autopar.errors import AutoparError
-
-    for r in traceable.routed_experts(model):
-        biased = [n for n in r.linears or () if r.module.experts[0].get_submodule(n).bias is not None]
-        if biased:
-            raise AutoparError(f"expert parallelism (ep={ep}): the experts of {r.name} have biases on {', '.join(biased)}, "
-                               "which autopar's expert-parallel form does not apply yet; plan with ep=1")
-
-
-def _routing(b: _Block, offs: torch.Tensor, n_experts: int, rows: int, g: EPGroup):
+def _routing(offs: torch.Tensor, n_experts: int, rows: int, g: EPGroup):
     """The block's dispatch: (rows this rank sends to each rank, rows it receives from each, the
-    order that sorts the received rows by local expert, its inverse, the offsets over all ``E``
-    experts of the sorted received rows, in which only this rank's experts own rows, and the
-    offsets over this rank's experts alone)."""
+    order that sorts the received rows by local expert, its inverse, and the received rows per
+    local expert)."""
     n, el = g.size, n_experts // g.size
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     # recv[j, e]: rows rank j sends to this rank's local expert e.
@@ -131,14 +119,18 @@ def _routing(b: _Block, offs: torch.Tensor, n_experts: int, rows: int, g: EPGrou
         recv_sizes = recv.sum(1).tolist()
     for s in (*send_sizes, *recv_sizes):
         torch._check(s >= 0)
-    total = sum(recv_sizes)
     expert = torch.repeat_interleave(torch.arange(el, device=offs.device).repeat(n), recv.reshape(-1),
-                                     output_size=total)
+                                     output_size=sum(recv_sizes))
     order = expert.argsort(stable=True)
-    me = torch.ops.autopar.group_rank(offs, g.group_name)  # read at run time: every rank's graph the same
-    mine = (torch.arange(n, device=offs.device) == me).to(offs.dtype)
-    local_offs = (mine[:, None] * recv.sum(0)[None, :]).reshape(-1).cumsum(0)
-    return send_sizes, recv_sizes, order, order.argsort(), local_offs, recv.sum(0).cumsum(0)
+    return send_sizes, recv_sizes, order, order.argsort(), recv.sum(0)
+
+
+def _offsets_of_all(mine: torch.Tensor, g: EPGroup) -> torch.Tensor:
+    """End offsets over all ``E`` experts of rows sorted by this rank's experts (``mine``: rows per
+    local expert), the other ranks' experts owning none."""
+    me = torch.ops.autopar.group_rank(mine, g.group_name)  # read at run time: every rank's graph the same
+    here = (torch.arange(g.size, device=mine.device) == me).to(mine.dtype)
+    return (here[:, None] * mine[None, :]).reshape(-1).cumsum(0)
 
 
 def owned_weights(shards: list[torch.Tensor], g: EPGroup, dim: int) -> list[torch.Tensor]:
@@ -161,15 +153,18 @@ def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup, owned: list | 
     x, ws, offs = args
     if b.routing is None:
         with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
-            b.routing = _routing(b, offs, len(n.args[1]), x.shape[0], g)
-    send, recv, order, inverse, local_offs, mine_offs = b.routing
+            b.routing = _routing(offs, len(n.args[1]), x.shape[0], g)
+    send, recv, order, inverse, mine = b.routing
     if n in b.dispatched_inputs:
         src = n.args[0]
         if src not in b.sent:
             with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
                 b.sent[src] = funcol.all_to_all_single_autograd(x, recv, send, g.group_name)[order]
         x = b.sent[src]
-    y = grouped_mm(x, owned, mine_offs) if owned is not None else grouped_mm(x, list(ws), local_offs)
+    key = owned is not None
+    if key not in b.offsets:
+        b.offsets[key] = mine.cumsum(0) if key else _offsets_of_all(mine, g)
+    y = grouped_mm(x, owned if key else list(ws), b.offsets[key])
     if n in b.combined:
         with fx_traceback.annotate({"pass": "ep", "why": COMBINE}):
             y = funcol.all_to_all_single_autograd(y[inverse], send, recv, g.group_name)

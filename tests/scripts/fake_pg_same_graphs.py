@@ -1,7 +1,9 @@
 """On a fake process group of 4 ranks, GPT (vocabulary-split embedding and loss, learned
-positions, TP 2 x FSDP 2 + SP) compiled as the rank given: print the key of the graphs the rank
-hands Inductor (``backend._graph_key``, what decides who compiles) and how many ops read the
-rank at run time. Default options; the graphs are recorded where Inductor would get them."""
+positions, TP 2 x FSDP 2 + SP) compiled as the rank given, or with ``ep`` as the second argument
+Mixtral under ep 2 x HSDP 2x2 (two ep groups): print the key of the graphs the rank hands Inductor
+(``backend._graph_key``, what decides who compiles) and how many ops read the rank at run time.
+Default options; the graphs are recorded where Inductor would get them.
+Usage: fake_pg_same_graphs.py RANK [ep]"""
 import json
 import sys
 
@@ -25,7 +27,13 @@ def record(graphs, inductor):
 backend.compile_step = record
 dist.init_process_group("fake", store=FakeStore(), rank=int(sys.argv[1]), world_size=4)
 torch.manual_seed(0)
-model = models.GPT(models.PRESETS["gpt-tiny"])
-ids = torch.randint(0, model.config.vocab_size, (8, 32))
-autopar.compile(model, 4, example_inputs=(ids,), example_target=ids, plan={"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1})
+if sys.argv[2:] == ["ep"]:
+    from tests import zoo
+
+    model, plan = zoo.build("hf-mixtral"), {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1, "mb": 2}
+    ids = torch.randint(0, 200, (8, 16))
+else:
+    model, plan = models.GPT(models.PRESETS["gpt-tiny"]), {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
+    ids = torch.randint(0, model.config.vocab_size, (8, 32))
+autopar.compile(model, 4, example_inputs=(ids,), example_target=ids, plan=plan)
 print(json.dumps({"key": keys[0], "reads": reads[0]}))
