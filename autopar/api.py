@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar import analysis, capture, cut, fxops, memory, models, roles, traceable
+from autopar import analysis, capture, cut, fxops, memory, models, roles, traceable, zero
 from autopar import search as search_mod
 from autopar.cost_models.hardware import Hardware
 from autopar.cost_models.hardware import load as load_hardware
@@ -455,7 +455,8 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         model_name=m.name, model_fingerprint=m.fingerprint, world_size=world, hardware=ctx.hw.name,
         precision=ctx.precision, global_batch=ctx.global_batch, seq_len=m.seq_len, tp=cfg.tp,
         pp=cfg.pp, dp=cfg.dp, dp_shard=cfg.dp_shard if cfg.fsdp else 1, sp=cfg.sp, fsdp=cfg.fsdp,
-        reshard_after_forward=cfg.reshard, fsdp_prefetch=cfg.prefetch, cp=cfg.cp, ep=cfg.ep, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
+        reshard_after_forward=cfg.reshard and not cfg.fsdp_once, fsdp_prefetch=cfg.prefetch,
+        fsdp_once=cfg.fsdp_once if cfg.fsdp else "", cp=cfg.cp, ep=cfg.ep, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
         schedule=cfg.schedule if cfg.pp > 1 else "none", v=cfg.v, layers=tuple(layers),
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
         runners_up=runners, pins={k: v for k, v in pins.items()}, block_container=m.block_container,
@@ -704,7 +705,8 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
         rules = tp_rules(sg, roles.step_roles(sg), p.tp, p.sp, split_head)
         tp_pl = rules.placements
     dp_pl = dp_placements(shapes, tp_pl, p.dp_shard * p.cp, p.fsdp)
-    lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp, compute=mixed.compute, reduce=mixed.reduce)
+    lay = Layout(shapes, tp_pl, dp_pl, dp_size=p.dp, compute=mixed.compute, reduce=mixed.reduce,
+                 once=p.fsdp and p.fsdp_once == "gather")
     if mesh is None:
         return lay, rules
     # Under CP the parameters are sharded (FSDP) or their gradients reduced (DDP) over dp_shard
@@ -798,10 +800,13 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
 
     params = [model.get_parameter(n) for n in sg.param_names]
     buffers = [model.get_buffer(n) for n in sg.buffer_names]
+    if lay.once:  # each parameter whole (its TP shard), as the runtime gathers it (zero.py)
+        locals_ = [torch.empty(lay.tp_local_shape(i), dtype=zero.gathered_dtype(x, lay), device=x.device)
+                   for i, x in enumerate(locals_)]
     example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers + inputs
     grad_index = grad_inputs(sg, example)
     state = StepState(sg, lay, rules, example, len(output_values(sg)))
-    if lay.dp_mesh is not None:
+    if lay.dp_mesh is not None and not lay.once:
         state.dp = DPCollectives(param_layer=[analysis.layer_index(n, sg.layers) for n in sg.param_names],
                                  grad_param=[i if i < len(params) else None for i in grad_index],
                                  groups={mesh.get_group(d).group_name for d in lay.dp_dims})
@@ -818,7 +823,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
         info.notes.update({prefix + k: v for k, v in ctx.notes.items()})
         info.timings.update({prefix + k: v for k, v in {**ctx.timings, "inductor": compiled.compile_s}.items()})
     n_args = len(params) + len(buffers) + len(inputs)
-    return StepRunner(compiled, len(params), n_args, grad_index, grad_outputs(sg), [tuple(x.shape) for x in inputs])
+    return StepRunner(compiled, list(sg.param_names), n_args, grad_index, grad_outputs(sg), [tuple(x.shape) for x in inputs])
 
 
 def _collective_records(compiled, mesh) -> list[dict]:
@@ -906,7 +911,7 @@ def _compile_pipeline(model: nn.Module, p: Plan, mesh, inputs: tuple, target: to
                                         key=f"stage {s}"))
     p = dataclasses.replace(p, placements=tuple(placements), tp_notes=tuple(notes))
     return ParallelModule(model, p, mesh, step_runner=None, forward_factory=None, loss_fn=loss_fn, info=info,
-                          stages=runners)
+                          stages=runners, once=zero.plan_once(lay, [st for st, _ in runners.values()]))
 
 
 def _tied_groups(shared: dict, p: Plan, mesh, rank: int) -> list[tuple[str, Any, bool]]:
@@ -1086,6 +1091,6 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
         return runner
 
     pm = ParallelModule(model, p, dmesh, step_runner=step_runner, forward_factory=forward_factory,
-                        loss_fn=loss_fn, info=info)
+                        loss_fn=loss_fn, info=info, once=zero.plan_once(lay, [sg]))
     pm.tuning = tuning
     return pm

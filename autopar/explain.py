@@ -97,7 +97,10 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
         extras.append(f"microbatch {p.mb} x {p.n_microbatches} accumulation steps")
     if p.fsdp:
         hs = f"HSDP {p.dp // p.dp_shard} x {p.dp_shard}" if p.dp_shard != p.dp else f"FSDP {p.dp}"
-        extras.append(hs + (", reshard after forward" if p.reshard_after_forward else ", no reshard after forward"))
+        if p.fsdp_once == "gather":
+            extras.append(hs + ", gathered once per step and gradients reduced once (ZeRO-1)")
+        else:
+            extras.append(hs + (", reshard after forward" if p.reshard_after_forward else ", no reshard after forward"))
     elif p.dp > 1:
         extras.append(f"DDP {p.dp}")
     extras.append(f"AC {p.ac_summary()}")
@@ -246,7 +249,8 @@ def render_executed(info, *, width: int | None = None) -> str:
     buf = io.StringIO()
     con = _console(buf, width)
     for name, recs in info.collectives.items():
-        t = Table(title=f"collectives in the compiled {name} graphs ({len(recs)})")
+        where = "run once per step, outside the graphs" if name == "once per step" else f"in the compiled {name} graphs"
+        t = Table(title=f"collectives {where} ({len(recs)})")
         for c in ("graph", "kind", "group", "MiB", "dtype", "pass", "from"):
             t.add_column(c, min_width=14 if c == "kind" else None)  # "reduce_scatter" whole
         for r in recs:

@@ -56,6 +56,7 @@ def _compile(build, plan: Plan, layers: int, ac: list[str] | None = None, *, dty
     ids = torch.zeros((batch or plan.dp * plan.mb, plan.seq_len), dtype=torch.long)
     pins = {"tp": plan.tp, "dp": plan.dp, "pp": 1, "sp": int(plan.sp), "fsdp": int(plan.fsdp), "mb": plan.mb,
             "dp_shard": plan.dp_shard, "ac": plan.layers[0].ac, "reshard": int(plan.reshard_after_forward),
+            "once": plan.fsdp_once or "microbatch",
             **{k: getattr(plan, k) for k in ("cp", "ep") if getattr(plan, k) > 1}}
     p = autopar.plan(model, plan.world_size, example_inputs=(ids,), pin=pins, hardware="h100",
                      global_batch=ids.shape[0], precision=plan.precision)
@@ -107,7 +108,7 @@ def executed_memory(build, plan: Plan) -> dict:
         pm = _compile(build, plan, len(ac), ac, dtype=dtype, batch=plan.dp * plan.mb)
         # The program Inductor makes of these graphs (what the default path runs), gradient shards
         # apart (they are states).
-        live = memory.step_liveness(pm._step_runner.compiled, M, gradients=False, fused=True)
+        live = memory.step_liveness(pm._step_runner.compiled, M, gradients=False, fused=True, held=memory.once_held(pm))
         held = sum(int(getattr(q, "_local_tensor", q).nbytes) for q in pm.parameters())
         del pm
         gc.collect()

@@ -274,26 +274,43 @@ def _kernel_locals(nodes: list, refs: dict, kind: dict, outs: set, maker: dict) 
                     for r in readers.get(k, []))}
 
 
-def step_liveness(compiled, microbatches: int = 1, gradients: bool = True, fused: bool | None = None) -> Liveness:
+def step_liveness(compiled, microbatches: int = 1, gradients: bool = True, fused: bool | None = None,
+                  held: dict | None = None) -> Liveness:
     """The step's peak from its compiled graphs (``backend.CompiledStep``): the forward, then the
     backward, which starts with what the forward saved and frees each saved value at its last
     use (the runtime hands the saved values to the boxed graph, which owns them).
     ``gradients=False``: without the gradient shards the backward returns (and earlier
     microbatches' held ones), the part of the step the cost model prices apart from its states.
-    ``fused``: walk the program Inductor generates (default: whether it compiled these graphs)."""
+    ``fused``: walk the program Inductor generates (default: whether it compiled these graphs).
+    ``held``: bytes alive through the whole step outside the graphs, by kind (``zero.StepWeights.held``:
+    the parameters gathered once per step and their whole gradients)."""
     fused = compiled.inductor if fused is None else fused
     fw = graph_liveness(compiled.fw_graph, fused=fused)
     # The forward's inputs it saves for the backward (parameter shards, the batch) are the rank's
-    # before the step: the backward receives them under the same placeholder names.
-    inputs = frozenset(n.name for n in compiled.fw_graph.graph.find_nodes(op="placeholder"))
+    # before the step: the backward receives them under the same placeholder names, and views
+    # of them (a weight's transpose) under their own, holding no memory of their own either.
+    fw_g = compiled.fw_graph.graph
+    phs = set(fw_g.find_nodes(op="placeholder"))
+
+    def base(n):
+        while n.op == "call_function" and is_view(n.target) and isinstance(n.args[0], torch.fx.Node):
+            n = n.args[0]
+        return n
+
+    saved = next(iter(fw_g.find_nodes(op="output"))).args[0]
+    inputs = frozenset(n.name for n in phs) | {
+        o.name for o in saved if isinstance(o, torch.fx.Node) and o not in phs and base(o) in phs}
     bw = graph_liveness(compiled.bw_graph, count_inputs=True, preheld=inputs, count_outputs=gradients, fused=fused)
     grads = bw.out_bytes
     carried = grads if microbatches > 1 and gradients else 0  # earlier microbatches' gradients, held
-    f_peak, b_peak = fw.peak_bytes + carried, bw.peak_bytes + carried
+    held = {k: v for k, v in (held or {}).items() if v}
+    outside = sum(held.values())
+    f_peak, b_peak = fw.peak_bytes + carried + outside, bw.peak_bytes + carried + outside
     g = fw if f_peak >= b_peak else bw
     kinds = {("saved for backward" if k == "input" else k): v for k, v in g.peak_kinds.items() if k != "held"}
     if carried:
         kinds["accumulated gradients"] = carried
+    kinds.update(held)
     return Liveness(max(f_peak, b_peak), f"{'forward' if g is fw else 'backward'}:{g.peak_node}", fw.out_bytes,
                     grads, {k: v for k, v in kinds.items() if v}, fw, bw)
 
@@ -307,7 +324,17 @@ def step_peak(pm, gradients: bool = True) -> Liveness:
     if runner is None:
         raise AutoparError("the liveness peak is computed for plans without pipeline stages (pp=1)")
     p = pm.plan
-    return step_liveness(runner.compiled, max(1, p.global_batch // (p.dp * p.mb)), gradients)
+    return step_liveness(runner.compiled, max(1, p.global_batch // (p.dp * p.mb)), gradients, held=once_held(pm))
+
+
+def once_held(pm) -> dict:
+    """What a step gathered once per step holds outside its graphs (``zero.StepWeights.held``);
+    empty for other plans."""
+    from autopar import zero
+
+    if pm._once is None:
+        return {}
+    return zero.StepWeights(pm._named(pm._step_runner), pm._once).held()
 
 
 def allocator_peaks(fn) -> tuple[float, float]:

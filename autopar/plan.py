@@ -23,9 +23,12 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1
 PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
             "dp_overlap", "cp", "prefetch", "ep"}
 # How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
-ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch",
+ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch, or once per step "
+                         "(once=gather, ZeRO-1), not gathered per microbatch and reduced once",
                  "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
                  "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward"}
+# The values of those keys that autopar's executor does run.
+RUNS = {"once": ("", "gather"), "unit": ("layer",), "dp_overlap": (True,)}
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,11 @@ class Plan:
     # Expert parallelism: each routed experts' block's experts split over ``ep`` ranks carved out
     # of the data-parallel ones (not a mesh dim of its own: ``ep`` divides ``dp``).
     ep: int = 1
+    # FSDP once per step (ZeRO-1, Megatron-LM's distributed optimizer): "gather" gathers each
+    # parameter once at the step's start and keeps it whole for the step's microbatches, whose
+    # gradients accumulate whole (in the reduce dtype) and are reduce-scattered once at its end;
+    # the optimizer steps the shards. "": gathered and reduced per microbatch (ZeRO-3).
+    fsdp_once: str = ""
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------
@@ -202,6 +210,8 @@ class Plan:
             s += f",ep={self.ep}"
         if self.pp > 1:
             s += f",schedule={self.schedule},v={self.v}"
+        if self.fsdp and self.fsdp_once:
+            s += f",once={self.fsdp_once}"
         if self.fsdp and self.fsdp_prefetch != 1:
             s += f",prefetch={self.fsdp_prefetch}"
         return s

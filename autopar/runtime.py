@@ -16,6 +16,7 @@ mean loss, as in one process). ``pm(x)`` takes this rank's data-parallel slice, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from autopar import explain as explain_mod
+from autopar import zero
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -297,6 +299,9 @@ class _RunGraphs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: StepRunner, *args):
         local = [a._local_tensor if hasattr(a, "_local_tensor") else a for a in args]
+        ctx.once = once = runner.once
+        if once is not None:  # parameters gathered once per step (zero.py): read whole
+            local[:runner.n_params] = [once.whole[n] for n in runner.param_names]
         t0 = time.perf_counter()
         outs = runner.compiled.fw(local)
         runner.busy_s += time.perf_counter() - t0
@@ -337,13 +342,18 @@ class _RunGraphs(torch.autograd.Function):
             n_w = len(runner.grad_index) - k
             for i, g in zip(runner.grad_index[n_w:], out[:k]):
                 result[1 + i] = g
-            runner.pending.append(_WeightGrads(runner, ctx.params, ctx.metas, out[k:]))
+            runner.pending.append(_WeightGrads(runner, ctx.params, ctx.metas, out[k:], ctx.once))
             return tuple(result)
         out = c.bw(args)
         runner.busy_s += time.perf_counter() - t0
         out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
         for i, g in zip(runner.grad_index, out):
-            result[1 + i] = _placed(g, ctx.metas[i])
+            if ctx.once is not None and i < runner.n_params:  # accumulated whole, reduced once per step
+                ctx.once.accumulate(runner.param_names[i], g)
+            else:
+                result[1 + i] = _placed(g, ctx.metas[i])
+        if ctx.once is not None:
+            ctx.once.queue_reduce()
         return tuple(result)
 
 
@@ -378,8 +388,8 @@ class _WeightGrads:
     runs the compiled W graph on what the input-gradient part carried and accumulates the
     gradients into the parameters, as autograd would have."""
 
-    def __init__(self, runner: StepRunner, params, metas, carried):
-        self.runner, self.params, self.metas, self.carried = runner, params, metas, carried
+    def __init__(self, runner: StepRunner, params, metas, carried, once):
+        self.runner, self.params, self.metas, self.carried, self.once = runner, params, metas, carried, once
 
     def __call__(self) -> None:
         c = self.runner.compiled
@@ -394,7 +404,9 @@ class _WeightGrads:
             out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
             for i, g in zip(self.runner.grad_index, out):
                 p = self.params[i]
-                if p.grad is None:
+                if self.once is not None:
+                    self.once.accumulate(self.runner.param_names[i], g)
+                elif p.grad is None:
                     p.grad = _placed(g.clone(memory_format=torch.contiguous_format), self.metas[i])
                 else:
                     getattr(p.grad, "_local_tensor", p.grad).add_(g)
@@ -416,9 +428,10 @@ class StepRunner:
     stage's outputs. ``grad_index``: the argument positions that receive gradients;
     ``grad_outputs``: the output positions gradients come back to."""
 
-    def __init__(self, compiled, n_params: int, n_args: int, grad_index: list[int], grad_outputs: list[int],
+    def __init__(self, compiled, param_names: list[str], n_args: int, grad_index: list[int], grad_outputs: list[int],
                  input_shapes: list):
-        self.compiled, self.n_params, self.n_args = compiled, n_params, n_args
+        self.compiled, self.param_names, self.n_params, self.n_args = compiled, param_names, len(param_names), n_args
+        self.once = None  # this step's parameters gathered once (zero.StepWeights), under fsdp_once
         self.grad_index, self.grad_outputs, self.input_shapes = grad_index, set(grad_outputs), input_shapes
         self.pending: list[_WeightGrads] = []  # zero-bubble: weight gradients not yet run
         self.busy_s = 0.0  # time inside the compiled graphs (the bench's measured bubble)
@@ -490,7 +503,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, mesh, *, step_runner: StepRunner | None,
                  forward_factory: Callable[[tuple], StepRunner] | None, loss_fn: Callable, info: CompileInfo,
-                 stages: dict | None = None):
+                 stages: dict | None = None, once: zero.Once | None = None):
         super().__init__()
         # Share the user's submodules and parameter/buffer dicts: names stay the original ones.
         self._modules = model._modules
@@ -507,6 +520,10 @@ class ParallelModule(nn.Module):
         self.info = info
         self._buffer_list = info.buffers
         self._tied = info.tied
+        self._once = once  # FSDP once per step: how the parameters are gathered (zero.Once)
+        if once is not None:
+            runners = [step_runner] if step_runner is not None else [r for _, r in self._stages.values()]
+            info.collectives["once per step"] = zero.StepWeights(self._named(*runners), once).records()
         if mesh is not None and plan.dp > 1:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
             self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
@@ -530,7 +547,12 @@ class ParallelModule(nn.Module):
             if self._forward_factory is None:
                 raise AutoparError("this ParallelModule was built for step() only")
             runner = self._forward_runners[shapes] = self._forward_factory(inputs)
-        (logits,) = runner(self._live_params(), self._buffer_list, list(inputs))
+        if self._once is not None:  # gathered for this call, reduced when its backward ends
+            runner.once = zero.StepWeights(self._named(runner), self._once, auto=torch.is_grad_enabled()).gather()
+        try:
+            (logits,) = runner(self._live_params(), self._buffer_list, list(inputs))
+        finally:
+            runner.once = None
         out_type = self.info.output_type
         if out_type is not None:
             try:
@@ -542,6 +564,16 @@ class ParallelModule(nn.Module):
     def _live_params(self) -> list:
         """The step graph's parameters as registered now (the optimizer updates them in place)."""
         return [self.get_parameter(name) for name in self.info.param_names]
+
+    def _named(self, *runners: StepRunner) -> dict:
+        return {n: self.get_parameter(n) for r in runners for n in r.param_names}
+
+    def _once_per_step(self, *runners: StepRunner):
+        """Under ``fsdp_once``: the parameters of ``runners`` gathered for the step's microbatches
+        and their gradients reduced after them (``zero.once_per_step``)."""
+        if self._once is None:
+            return contextlib.nullcontext()
+        return zero.once_per_step(runners, self._named(*runners), self._once)
 
     def explain(self, graph: bool = False) -> str:
         text = explain_mod.render(self.plan) + explain_mod.render_compile_time(self.info)
@@ -622,11 +654,12 @@ class ParallelModule(nn.Module):
         else:
             params = self._live_params()
             total = torch.zeros((), dtype=torch.float32, device=tgt_l.device)
-            for i in range(M):
-                mb = slice(i * plan.mb, (i + 1) * plan.mb)
-                (loss,) = self._step_runner(params, self._buffer_list, [*(x[mb] for x in xs_l), tgt_l[mb]])
-                (loss / M).backward()
-                total += loss.detach().float()
+            with self._once_per_step(self._step_runner):
+                for i in range(M):
+                    mb = slice(i * plan.mb, (i + 1) * plan.mb)
+                    (loss,) = self._step_runner(params, self._buffer_list, [*(x[mb] for x in xs_l), tgt_l[mb]])
+                    (loss / M).backward()
+                    total += loss.detach().float()
             loss = total / M
         if plan.dp > 1:
             loss = funcol.all_reduce(loss / plan.dp, "sum", self._dp_group)
@@ -676,7 +709,8 @@ class ParallelModule(nn.Module):
         args = tuple(inputs) if 0 in self._stages else ()
         losses: list = []
         kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stages else {}
-        sched.step(*args, **kwargs)
+        with self._once_per_step(*(runner for _, runner in self._stages.values())):
+            sched.step(*args, **kwargs)
         for name, group, _ in self._tied:  # each copy got the gradient of its own stage's uses
             g = self.get_parameter(name).grad
             dist.all_reduce(getattr(g, "_local_tensor", g), group=group)

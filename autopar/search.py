@@ -62,7 +62,7 @@ from autopar.cost_models.step import (
     validate_ep,
 )
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.plan import ESTIMATE_ONLY, PIN_KEYS
+from autopar.plan import ESTIMATE_ONLY, PIN_KEYS, RUNS
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def parse_pins(text: str | dict | None) -> dict:
 def estimate_only(pins: dict) -> dict:
     """The pins that ask for something only ``autopar estimate`` prices (``ESTIMATE_ONLY`` away
     from its default: what autopar's executor does)."""
-    return {k: v for k, v in pins.items() if k in ESTIMATE_ONLY and v not in ("", "layer", True, 1)}
+    return {k: v for k, v in pins.items() if k in ESTIMATE_ONLY and v not in RUNS[k]}
 
 
 def check_pins(ctx: CostContext, world: int, pins: dict) -> None:
@@ -227,15 +227,21 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                             shards = [d for d in divisors(dp) if d > 1 and
                                       (d == dp or (d * tp) % gpn == 0 or pins.get("dp_shard") == d)]
                             fs_opts += [(True, d, r) for d in shards for r in (True, False)]
-                        for fsdp, shard, reshard in fs_opts:
+                            # Several microbatches (or pinned): also gathered and reduced once per step (ZeRO-1).
+                            if M > 1 or pins.get("once") == "gather":
+                                fs_opts += [(True, d, False, "gather") for d in shards]
+                        for fsdp, shard, reshard, *once in fs_opts:
+                            once = once[0] if once else ""
                             if "fsdp" in pins and fsdp != pins["fsdp"]:
                                 continue
                             if "dp_shard" in pins and shard != pins["dp_shard"]:
                                 continue
-                            if "reshard" in pins and fsdp and reshard != pins["reshard"]:
+                            if "reshard" in pins and fsdp and reshard != pins["reshard"] and not once:
+                                continue
+                            if "once" in pins and (once != pins["once"] if fsdp else pins["once"]):
                                 continue
                             for ep in ep_options(m, cp, dp, shard if fsdp else 1, pins):
-                                out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v,
+                                out.append(Config(tp, pp, dp, shard, sp, fsdp, reshard, mb, sched, v, fsdp_once=once,
                                                   prefetch=pins.get("prefetch", 1), cp=cp, ep=ep))
     return out
 

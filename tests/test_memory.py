@@ -198,14 +198,17 @@ def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
 
 # At this size the prediction is 4-8% above the executed step (the program Inductor makes of the
 # graphs); at llama3-8b/64 and llama3-70b/256 (``explain --graph``) within 3.5%.
-@pytest.mark.parametrize("pin", ["dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1", "dp=4,fsdp=1,tp=1,pp=1,ac=full,mb=1",
-                                 "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=selective,mb=1"])
+@pytest.mark.parametrize("pin", ["dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1,once=microbatch",
+                                 "dp=4,fsdp=1,tp=1,pp=1,ac=full,mb=1,once=microbatch",
+                                 "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=selective,mb=1,once=microbatch",
+                                 "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=none,mb=1,once=gather"])
 def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
     """What ``explain --graph`` prints: the executed graphs' step peak (gathered parameters,
     activations, gradients in flight; the gradient shards are states, priced apart) against the
     cost model's prediction of the same parts, in bf16-mixed (fp32 masters, bf16 compute, fp32
-    gradient reduction) on llama-small (8 layers), for FSDP, FSDP with full AC and TP + SP with
-    selective AC."""
+    gradient reduction) on llama-small (8 layers), for FSDP, FSDP with full AC, TP + SP with
+    selective AC, and TP + SP with the parameters gathered once per step (ZeRO-1: every layer's
+    whole parameters and fp32 gradients held through the step, beside the graphs)."""
     from autopar import inspect_graph
 
     plan = autopar.plan("llama-small", WORLD, pin=pin, hardware="h100", global_batch=8)
@@ -213,6 +216,30 @@ def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
     pred = plan.predicted["memory_breakdown_gb"]
     predicted = (pred["unsharded_params"] + pred["activations"]) * 2**30
     assert ex["step_peak"] == pytest.approx(predicted, rel=0.10), (ex["per_layer"], pred)
+
+
+def test_once_per_step_collectives_are_the_priced_ones(fake_group):
+    """FSDP gathered once per step (ZeRO-1) under TP 2 x FSDP 2: the step graphs hold no
+    data-parallel collective; before the step each layer's parameters are gathered in one
+    all-gather (bf16) and after it their gradients reduce-scattered in one (fp32), each of the
+    bytes the plan prices per layer, once per step (not per microbatch: 2 here)."""
+    from autopar import inspect_graph
+
+    pin = "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=none,mb=1,once=gather"
+    plan = autopar.plan("llama-small", WORLD, pin=pin, hardware="h100", global_batch=4)
+    assert plan.fsdp_once == "gather" and plan.n_microbatches == 2
+    pm = inspect_graph._compile(lambda: models.Llama(models.PRESETS["llama-small"]), plan, 3)
+    assert not [r for r in pm.info.collectives["step"] if r["dim"].startswith("dp")]
+    once = pm.info.collectives["once per step"]
+    layers = [r for r in once if r["source"].startswith("layers.")]
+    priced = {c["kind"]: c for c in plan.collectives if c["group"] == "dp_shard"}
+    for kind, dtype in (("all_gather", "bfloat16"), ("reduce_scatter", "float32")):
+        got = [r for r in layers if r["kind"].startswith(kind)]
+        assert len(got) == 3 and {r["dtype"] for r in got} == {dtype} and {r["group_size"] for r in got} == {2}
+        assert priced[kind]["count"] == len(plan.layers)  # once per step, one per layer
+        # recorded as collective_record does: the gather's whole result, the reduction's shard
+        nbytes = got[0]["bytes"] * (2 if kind == "reduce_scatter" else 1)
+        assert nbytes == pytest.approx(priced[kind]["bytes"], rel=0.01), (got, priced[kind])
 
 
 # Expert parallelism: the executed step holds the rank's own experts' weights and the rows routed

@@ -33,6 +33,9 @@ PLANS = {
     "tp2_fsdp2_sp": TP2_FSDP2_SP,
     "ac_full_fsdp4": {"dp": 4, "fsdp": 1, "ac": "full", "pp": 1},
     "ac_selective_tp2_fsdp2_sp": {**TP2_FSDP2_SP, "ac": "selective"},
+    # ZeRO-1: gathered once before the step's 2 microbatches, reduced once after them (zero.py);
+    # HSDP: the reduce-scattered shard then all-reduced over the replicas.
+    "hsdp2x2_once": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1, "mb": 1, "once": "gather"},
     "auto": "auto",
     "auto_tp2": "tp=2",
 }
@@ -92,6 +95,8 @@ CI_PP4 = [case("llama-tiny", n, p, clip=True) for n, p in PP4.items()] + [
     # A head tied to the embedding across stages: FSDP-sharded copies; TP-sharded copies (fused Conv1D).
     case("hf-gpt2", "pp2_fsdp2", PP4["pp2_fsdp2"], clip=True),
     case("hf-gpt2", "pp2_tp2_sp", PP4["pp2_tp2_sp"], clip=True),
+    # ... gathered once per step (ZeRO-1): each stage's copy reduced to its shard, then summed.
+    case("hf-gpt2", "pp2_fsdp2_once", {**PP4["pp2_fsdp2"], "once": "gather"}, clip=True),
     case("gpt-tiny", "auto_pp2", "pp=2,tp=1"),  # the planner's own choice for a tied model, PP pinned
     # A zero-bubble pipeline on a Llama written as torchtitan writes it (complex rotary embeddings):
     # the deferred weight gradients accumulate outside autograd.
@@ -147,6 +152,8 @@ CI_MIXED = [case(m, f"{n}_bf16", p, mp="bf16-mixed") for m in ("hf-llama", "gpt-
             for n, p in (("fsdp4", PLANS["fsdp4"]), ("tp2_fsdp2_sp", TP2_FSDP2_SP), ("pp2_fsdp2", PP4["pp2_fsdp2"]))
             if (m, n) != ("gpt-tiny", "fsdp4")] + [
     case("hf-llama", "ddp4_bf16", PLANS["ddp4"], mp="bf16-mixed"),  # cast, no gather; fp32 all-reduce
+    # ZeRO-1 with TP + SP: bf16 gathered once, gradients accumulated in fp32 and reduced once.
+    case("hf-llama", "tp2_fsdp2_sp_once_bf16", {**TP2_FSDP2_SP, "mb": 1, "once": "gather"}, mp="bf16-mixed"),
     case("hf-deit", "fsdp4_bf16", PLANS["fsdp4"], mp="bf16-mixed")]  # images cast to bf16 as FSDP2 casts them
 # Context parallelism: HF Llama's 128-token sequences split over 2 or 4 ranks (attention over the
 # gathered keys and values of grouped-query heads, head-tail balanced queries), with FSDP over

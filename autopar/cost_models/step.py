@@ -78,9 +78,10 @@ class Config:
     v: int = 1
     # FSDP with several microbatches: "" gathers and reduces every microbatch (autopar's
     # executor); "reduce" reduces the gradients once per step, accumulating them unsharded
-    # (torch.distributed.pipelining with FSDP2 in 2024); "gather" also keeps the parameters
-    # gathered across the step's microbatches (pipelining since set_reshard_after_backward,
-    # Llama 3's training). Priced for published runs; the search never sets it.
+    # (torch.distributed.pipelining with FSDP2 in 2024, priced for published runs only); "gather"
+    # also keeps the parameters gathered across the step's microbatches (ZeRO-1, Megatron-LM's
+    # distributed optimizer, Llama 3's training): autopar runs it, gathering before the step's
+    # first microbatch and reducing after its last, exposed.
     fsdp_once: str = ""
     # What one FSDP all-gather holds: "layer" (autopar's executor, FSDP2, torchtitan: a layer's
     # parameters in one collective) or "tensor" (DeepSpeed ZeRO-3 until mid-2021: one collective
@@ -397,7 +398,9 @@ class StageModel:
             return exposed_fwd + max(0.0, (ag if reshard else 0.0) + rs - bwd)
         exposed_rs = max(0.0, rs - bwd) / M
         if once == "gather":
-            return exposed_fwd / M + exposed_rs
+            # autopar's executor (ZeRO-1): every gather before the step's first microbatch and
+            # every reduction after its last, none hidden by compute.
+            return (ag + rs) / M
         return exposed_fwd + max(0.0, (ag if reshard else 0.0) - bwd) + exposed_rs
 
     def _fsdp_collectives(self, p_local: float, reshard: bool) -> tuple[float, float, float]:
@@ -636,10 +639,13 @@ class StageModel:
             if cfg.shard > 1:
                 if keep:  # gathered at use and freed: one of the working set
                     working = max(working, o["working"])
-                elif name == "post":  # the head's gathered weight is kept for its backward
-                    working += o["working"] * (1 + (ctx.reduce_bytes / ctx.act_bytes if cfg.fsdp_once else 0))
-                # Not resharded, the embedding's weight is still freed after its forward (its
-                # backward reads no weight), far from the backward's peak.
+                else:
+                    # The head's gathered weight is kept for its backward; not resharded, the
+                    # embedding's is still freed after its forward (its backward reads no weight),
+                    # far from the backward's peak, unless gathered for the whole step.
+                    kept = name == "post" or cfg.fsdp_once == "gather"
+                    grads = ctx.reduce_bytes / ctx.act_bytes if cfg.fsdp_once else 0.0  # accumulated whole
+                    working += o["working"] * (kept + grads)
         return {
             "parameters+grads+optimizer": static,
             "unsharded_params": working,
@@ -902,8 +908,9 @@ EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again af
 def ep_owned(cfg) -> bool:
     """Whether each ep rank reads only its own experts' weights: FSDP shards them over exactly the
     ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers.
+    Not when gathered once per step (``fsdp_once``): every expert is gathered then.
     ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
-    return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
+    return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1 and not cfg.fsdp_once
 
 
 def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:

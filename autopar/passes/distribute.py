@@ -68,6 +68,10 @@ class Layout:
     # its gradient reduced in ``reduce`` dtype; None: the parameters' own dtype throughout.
     compute: torch.dtype | None = None
     reduce: torch.dtype | None = None
+    # FSDP once per step (``Plan.fsdp_once``): the step graph takes each parameter whole (its TP
+    # shard, in the compute dtype), gathered before the step by the runtime (``zero.py``), and
+    # returns its gradient unreduced; ``dp_mesh`` is then the runtime's, not the graph's.
+    once: bool = False
 
     def placements(self, i: int) -> tuple:
         by_dim = {"dp_replicate": Replicate(), "dp_shard": self.dp[i], "dp_shard_cp": self.dp[i],
@@ -486,7 +490,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         """Parameter ``i`` as the step reads it: gathered over data parallelism (recorded where
         its first consumer runs, so the gather sits next to its use) and wrapped for TP."""
         compute = layout.compute if x.is_floating_point() else None
-        if layout.dp_mesh is not None:
+        if layout.dp_mesh is not None and not layout.once:
             fsdp = any(isinstance(p, Shard) for p in layout.dp_placements(i))
             use_layer = consumer.meta.get("custom", {}).get("layer")
             with fx_traceback.annotate({"pass": "fsdp" if fsdp else "ddp", "source": sg.param_names[i],
