@@ -690,6 +690,7 @@ class StepState:
     n_outputs: int
     dp: Any = None
     split_weight: int | None = None
+    accumulate: list | None = None  # once per step: the backward outputs added into buffers (passes/accumulate.py)
 
 
 def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
@@ -800,9 +801,11 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
 
     params = [model.get_parameter(n) for n in sg.param_names]
     buffers = [model.get_buffer(n) for n in sg.buffer_names]
-    if lay.once:  # each parameter whole (its TP shard), as the runtime gathers it (zero.py)
-        locals_ = [torch.empty(lay.tp_local_shape(i), dtype=zero.gathered_dtype(x, lay), device=x.device)
-                   for i, x in enumerate(locals_)]
+    if lay.once:  # each parameter whole (its TP shard), as the runtime gathers it (zero.py);
+        # owned experts in their shards' shapes, holding what the runtime's all-to-all received
+        owned = {i for idx, _ in lay.owned_experts(sg) for i in idx}
+        locals_ = [torch.empty(x.shape if i in owned else lay.tp_local_shape(i), dtype=zero.gathered_dtype(x, lay),
+                               device=x.device) for i, x in enumerate(locals_)]
     example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers + inputs
     grad_index = grad_inputs(sg, example)
     state = StepState(sg, lay, rules, example, len(output_values(sg)))
@@ -812,6 +815,8 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
                                  groups={mesh.get_group(d).group_name for d in lay.dp_dims})
     if p.pp > 1 and p.schedule in ZERO_BUBBLE:
         state.split_weight = sum(i < len(params) for i in grad_index)
+    if lay.once:
+        state.accumulate = [j for j, i in enumerate(grad_index) if i < len(params)]
     ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled), step=state)
     graphs = run_passes(sg.gm, ctx, step_passes())
     compiled = backend.compile_step(graphs, inductor=inductor and "inductor" not in disabled)

@@ -11,7 +11,7 @@ import sys
 
 from autopar import __version__
 from autopar.errors import AutoparError
-from autopar.plan import ESTIMATE_ONLY, PIN_KEYS, PRECISION_ALIASES, PRECISIONS
+from autopar.plan import PIN_KEYS, PRECISION_ALIASES, PRECISIONS, RUNS
 
 
 def _hardware_names() -> list[str]:
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="plan a model and explain the plan")
     _common(ex)
     ex.add_argument("--pin", default=None, help="fix part of the plan, e.g. tp=8,pp=4,ac=full; keys: "
-                    + ", ".join(sorted(PIN_KEYS - set(ESTIMATE_ONLY))))
+                    + ", ".join(sorted(PIN_KEYS - {k for k, v in RUNS.items() if len(v) == 1}))
+                    + "; once=gather: FSDP gathered once per step (ZeRO-1)")
     ex.add_argument("--top", type=int, default=3, help="runners-up to show")
     ex.add_argument("-o", "--output", default=None, help="save the plan JSON here")
     ex.add_argument("--graph", action="store_true", help="also print the first layer's rewritten graph with provenance")
@@ -60,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     es = sub.add_parser("estimate", help="price a plan you give (a hand-written configuration)")
     _common(es)
     es.add_argument("--plan", required=True, help='e.g. "tp=8,pp=8,dp=1,sp=1,fsdp=0,mb=2,ac=full,schedule=interleaved,v=4"; '
-                    "keys: " + ", ".join(sorted(PIN_KEYS)) + "; how another framework ran: once=reduce|gather "
-                    "(FSDP under PP), unit=tensor (one FSDP gather per tensor), dp_overlap=0 (gradient all-reduce "
+                    "keys: " + ", ".join(sorted(PIN_KEYS)) + "; once=gather (ZeRO-1, which autopar runs); how another framework "
+                    "ran: once=reduce (FSDP under PP, gradients reduced once per step), unit=tensor (one FSDP gather per tensor), dp_overlap=0 (gradient all-reduce "
                     "after the backward), cp=N (context parallelism: each sequence over N ranks)")
     es.add_argument("-o", "--output", default=None, help="save the plan JSON here")
 

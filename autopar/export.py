@@ -63,6 +63,10 @@ def _torchtitan(plan: Plan) -> str:
     notes += _precision_notes(plan, "torchtitan", "add \"float8\" to [model] converters (torchao)")
     replicate = plan.dp // plan.dp_shard if plan.fsdp else plan.dp
     shard = plan.dp_shard if plan.fsdp else 1
+    if plan.fsdp and plan.fsdp_once:
+        notes.append("torchtitan's FSDP gathers and reduces the parameters per microbatch; the plan gathers them once "
+                     "per step and reduces their gradients once (ZeRO-1), priced with one step's whole parameters "
+                     "and gradients held")
     lines = [f"# autopar plan for {plan.model_name} on {plan.world_size} x {plan.hardware}: "
              f"{plan.as_config_string()}"]
     lines += [f"# note: {n}" for n in notes]
@@ -81,6 +85,7 @@ def _torchtitan(plan: Plan) -> str:
         *([f'fsdp_reshard_after_forward = "{"always" if plan.reshard_after_forward else "never"}"'] if plan.fsdp else []),
         f"tensor_parallel_degree = {plan.tp}",
         f"context_parallel_degree = {plan.cp}",
+        *([f"expert_parallel_degree = {plan.ep}"] if plan.ep > 1 else []),
         f"pipeline_parallel_degree = {plan.pp}",
     ]
     if plan.pp > 1:
@@ -126,7 +131,11 @@ def _megatron(plan: Plan) -> str:
         args.append(f"--num-layers-per-virtual-pipeline-stage {_layers_per_stage(plan)}")
     elif plan.pp > 1:
         _layers_per_stage(plan)  # an even split, or an error
-    if plan.fsdp:
+    if plan.ep > 1:
+        args.append(f"--expert-model-parallel-size {plan.ep}")
+    if plan.fsdp and plan.fsdp_once:  # ZeRO-1: whole weights, gradients reduce-scattered once per step
+        args.append("--use-distributed-optimizer")
+    elif plan.fsdp:
         args.append("--use-torch-fsdp2")
         if not plan.reshard_after_forward:
             notes.append("Megatron-LM's torch FSDP2 reshards after forward; the plan keeps the gathered weights")

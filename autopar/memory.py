@@ -300,6 +300,10 @@ def step_liveness(compiled, microbatches: int = 1, gradients: bool = True, fused
     saved = next(iter(fw_g.find_nodes(op="output"))).args[0]
     inputs = frozenset(n.name for n in phs) | {
         o.name for o in saved if isinstance(o, torch.fx.Node) and o not in phs and base(o) in phs}
+    from autopar.passes.accumulate import ACCUMULATOR
+
+    # The gradient buffers of a step gathered once (passes/accumulate.py) are in ``held``.
+    inputs |= {n.name for n in compiled.bw_graph.graph.find_nodes(op="placeholder") if n.meta.get(ACCUMULATOR)}
     bw = graph_liveness(compiled.bw_graph, count_inputs=True, preheld=inputs, count_outputs=gradients, fused=fused)
     grads = bw.out_bytes
     carried = grads if microbatches > 1 and gradients else 0  # earlier microbatches' gradients, held

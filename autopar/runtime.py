@@ -329,7 +329,8 @@ class _RunGraphs(torch.autograd.Function):
         c = runner.compiled
         # The only references to the saved values are in ``args``, which the boxed graph empties:
         # each is freed at its last use in the backward.
-        args = _as_expected(ctx.saved + tangents, c.bw_strides)
+        accs = ctx.once.accumulators(runner) if ctx.once is not None and c.bw_weight is None else []
+        args = _as_expected(ctx.saved + tangents + accs, c.bw_strides)
         ctx.saved = None
         result: list = [None] * (1 + runner.n_args)
         t0 = time.perf_counter()
@@ -348,9 +349,7 @@ class _RunGraphs(torch.autograd.Function):
         runner.busy_s += time.perf_counter() - t0
         out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
         for i, g in zip(runner.grad_index, out):
-            if ctx.once is not None and i < runner.n_params:  # accumulated whole, reduced once per step
-                ctx.once.accumulate(runner.param_names[i], g)
-            else:
+            if ctx.once is None or i >= runner.n_params:  # else added into the step's buffer in the graph
                 result[1 + i] = _placed(g, ctx.metas[i])
         if ctx.once is not None:
             ctx.once.queue_reduce()
@@ -394,7 +393,8 @@ class _WeightGrads:
     def __call__(self) -> None:
         c = self.runner.compiled
         t0 = time.perf_counter()
-        args = _as_expected(self.carried, c.bw_weight_strides)
+        accs = self.once.accumulators(self.runner) if self.once is not None else []
+        args = _as_expected(self.carried + accs, c.bw_weight_strides)
         self.carried = None
         # A backward computation and its accumulation, outside autograd (the eager graph,
         # compile=False, would otherwise record them and refuse the in-place add).
@@ -404,9 +404,9 @@ class _WeightGrads:
             out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
             for i, g in zip(self.runner.grad_index, out):
                 p = self.params[i]
-                if self.once is not None:
-                    self.once.accumulate(self.runner.param_names[i], g)
-                elif p.grad is None:
+                if self.once is not None:  # added into the step's buffer in the graph
+                    continue
+                if p.grad is None:
                     p.grad = _placed(g.clone(memory_format=torch.contiguous_format), self.metas[i])
                 else:
                     getattr(p.grad, "_local_tensor", p.grad).add_(g)

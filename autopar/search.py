@@ -112,7 +112,7 @@ def parse_pins(text: str | dict | None) -> dict:
                 raise AutoparError(f"ac={v!r}: choose one of {', '.join(AC_MODES)}")
             out[k] = v
         elif k == "once":
-            if v not in ("microbatch", "reduce", "gather"):
+            if v not in ("microbatch", "reduce", "gather", ""):  # "": microbatch, as a parsed pin holds it
                 raise AutoparError(f"once={v!r}: choose microbatch (FSDP gathers and reduces per microbatch), "
                                    "reduce (gradients reduced once per step) or gather (parameters also kept "
                                    "gathered for the step)")

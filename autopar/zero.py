@@ -32,13 +32,18 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 @dataclass(frozen=True)
 class Once:
     """How a plan's step reads its parameters once per step: mixed precision's dtypes (None: the
-    parameter's own) and the buckets, lists of parameter names (a layer's, the parameters before
+    parameter's own); the buckets, lists of parameter names (a layer's, the parameters before
     and after the layers), each gathered in one collective and reduced in one, as FSDP buckets
-    them per layer in the graph (``passes/overlap.py``) and the cost model prices them."""
+    them per layer in the graph (``passes/overlap.py``) and the cost model prices them; and, under
+    expert parallelism where each ep rank owns its experts' weights, each grouped linear's expert
+    weights (names, the dim FSDP splits them along), sent to their owners in one all-to-all over
+    the ep group (``ep_group``) and their gradients back in one."""
 
     compute: torch.dtype | None
     reduce: torch.dtype | None
     buckets: tuple
+    experts: tuple = ()
+    ep_group: str = ""
 
 
 def plan_once(layout, graphs: list) -> Once | None:
@@ -49,8 +54,10 @@ def plan_once(layout, graphs: list) -> Once | None:
 
     if not layout.once:
         return None
+    experts = {tuple(sg.param_names[i] for i in idx): dim for sg in graphs for idx, dim in layout.owned_experts(sg)}
+    owned = {n for names in experts for n in names}
     out: list[list[str]] = []
-    seen: set = set()
+    seen: set = set(owned)
     for sg in graphs:
         last = object()
         for name in sg.param_names:
@@ -63,7 +70,8 @@ def plan_once(layout, graphs: list) -> Once | None:
             else:
                 out.append([name])
             last = layer
-    return Once(layout.compute, layout.reduce, tuple(tuple(b) for b in out))
+    return Once(layout.compute, layout.reduce, tuple(tuple(b) for b in out), tuple(experts.items()),
+                layout.ep.group_name if experts else "")
 
 
 def gathered_dtype(local: torch.Tensor, layout) -> torch.dtype:
@@ -106,6 +114,10 @@ def _tp_local(p: DTensor) -> tuple:
     return tuple(shape)
 
 
+# A bucket of a grouped linear's owned experts (``StepWeights._buckets``).
+EXPERTS = "experts"
+
+
 class StepWeights:
     """One step's parameters, gathered once, and their gradients, accumulated and reduced once.
     ``params``: name -> registered parameter (a DTensor sharded over the data-parallel dims);
@@ -118,102 +130,79 @@ class StepWeights:
         self.grads: dict[str, torch.Tensor] = {}
         self.queued = False
 
-    def _buckets(self) -> list[list[str]]:
-        """The plan's buckets restricted to ``params``, each split by how its parameters travel."""
-        out = []
+    def _buckets(self) -> list[tuple[list[str], object]]:
+        """(names, how) of each collective: how is ``_flat_shard``'s answer (a flat bucket), None
+        (one parameter through DTensor) or ``EXPERTS`` (a grouped linear's owned experts, whose
+        dim FSDP splits them along is ``self.once.experts``'), restricted to ``params``."""
+        out: list = []
+        for names, _ in self.once.experts:
+            if names[0] in self.params:
+                out.append((list(names), EXPERTS))
         for b in self.once.buckets:
             names = [n for n in b if n in self.params]
             for key in dict.fromkeys((_flat_shard(self.params[n]), self.params[n].dtype) for n in names):
                 same = [n for n in names if (_flat_shard(self.params[n]), self.params[n].dtype) == key]
-                if key[0] is None:
-                    out += [[n] for n in same]
-                else:
-                    out.append(same)
-        return out
-
-    def held(self) -> dict:
-        """Bytes a step holds outside its graphs: the gathered parameters and their whole
-        gradients (in the reduce dtype), by kind."""
-        whole = {n: math.prod(_tp_local(p)) for n, p in self.params.items()}
-        return {"parameters gathered once per step": sum(
-                    k * self._dtype(self.params[n], self.once.compute).itemsize for n, k in whole.items()),
-                "whole gradients accumulated": sum(
-                    k * self._dtype(self.params[n], self.once.reduce).itemsize for n, k in whole.items()
-                    if self.params[n].requires_grad)}
-
-    def records(self) -> list[dict]:
-        """Each collective ``gather`` and ``reduce`` run, as ``passes.collective_record`` records
-        a graph's (bytes and dtype of the result), for ``explain``."""
-        out = []
-        for names in self._buckets():
-            ps = [self.params[n] for n in names]
-            p, how = ps[0], _flat_shard(ps[0])
-            mesh = p.device_mesh
-            dims = [how[0]] if how else [i for i in _dp_dims(p) if not isinstance(p.placements[i], Replicate)]
-            rep = [how[2]] if how and how[2] is not None else [] if how else [
-                i for i in _dp_dims(p) if isinstance(p.placements[i], Replicate)]
-            whole = sum(math.prod(_tp_local(q)) for q in ps)
-            local = sum(q._local_tensor.numel() for q in ps)
-            gathered, reduced = self._dtype(p, self.once.compute), self._dtype(p, self.once.reduce)
-            common = {"source": names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}",
-                      "module": ""}
-            def at(d: int) -> dict:
-                return {"group": mesh.get_group(d).group_name, "group_size": mesh.size(d),
-                        "dim": mesh.mesh_dim_names[d]}
-
-            for d in dims:
-                out.append({"graph": "before the step", "kind": "all_gather_into_tensor", **at(d),
-                            "bytes": whole * gathered.itemsize, "dtype": str(gathered).removeprefix("torch."), "pass": "fsdp", **common})
-                out.append({"graph": "after the step", "kind": "reduce_scatter_tensor", **at(d),
-                            "bytes": local * reduced.itemsize, "dtype": str(reduced).removeprefix("torch."), "pass": "fsdp", **common})
-            for d in rep:
-                out.append({"graph": "after the step", "kind": "all_reduce", **at(d),
-                            "bytes": local * reduced.itemsize, "dtype": str(reduced).removeprefix("torch."), "pass": "ddp",
-                            **common})
+                out += [([n], None) for n in same] if key[0] is None else [(same, key[0])]
         return out
 
     def _dtype(self, p: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
         return dtype if dtype is not None and p.is_floating_point() else p.dtype
 
+    def _replicas(self, p: DTensor) -> list[int]:
+        return [i for i in _dp_dims(p) if isinstance(p.placements[i], Replicate)]
+
     def gather(self) -> StepWeights:
         """Every parameter whole over the data-parallel dims (its TP placement kept): a bucket's
-        shards in one all-gather, a parameter split otherwise through DTensor."""
+        shards in one all-gather, a parameter split otherwise through DTensor; a grouped linear's
+        owned experts: every expert's shard sent to its owner in one all-to-all, each rank's
+        parameters then holding (in their shards' shapes) what it received, which the step graph
+        assembles into its own experts' whole weights (``ep.assembled``)."""
         pending = []
         with torch.no_grad():
-            for names in self._buckets():
+            for names, how in self._buckets():
                 ps = [self.params[n] for n in names]
                 dtype = self._dtype(ps[0], self.once.compute)
-                how = _flat_shard(ps[0])
                 if how is None:
                     (p,) = ps
                     whole = [Replicate() if i in _dp_dims(p) else pl for i, pl in enumerate(p.placements)]
-                    pending.append((names, None, p.to(dtype).redistribute(p.device_mesh, whole).to_local()))
-                    continue
-                flat = torch.cat([p._local_tensor.to(dtype).reshape(-1) for p in ps])
-                group = ps[0].device_mesh.get_group(how[0])
-                pending.append((names, how, funcol.all_gather_single(flat, 0, group)))
+                    pending.append((names, how, p.to(dtype).redistribute(p.device_mesh, whole).to_local()))
+                elif how is EXPERTS:
+                    stacked = torch.stack([p._local_tensor.to(dtype) for p in ps])
+                    pending.append((names, how, funcol.all_to_all_single(stacked, None, None, self.once.ep_group)))
+                else:
+                    flat = torch.cat([p._local_tensor.to(dtype).reshape(-1) for p in ps])
+                    pending.append((names, how, funcol.all_gather_single(flat, 0, ps[0].device_mesh.get_group(how[0]))))
             for names, how, t in pending:
                 t = _waited(t)
                 if how is None:
                     self.whole[names[0]] = t
-                    continue
-                ps = [self.params[n] for n in names]
-                W = ps[0].device_mesh.size(how[0])
-                t, off = t.view(W, -1), 0
-                for n, p in zip(names, ps):
-                    k = p._local_tensor.numel()
-                    part = t[:, off:off + k].view(W, *p._local_tensor.shape)
-                    self.whole[n] = part.movedim(0, how[1]).reshape(_tp_local(p))
-                    off += k
+                elif how is EXPERTS:
+                    self.whole.update(zip(names, t.unbind(0)))
+                else:
+                    ps = [self.params[n] for n in names]
+                    W = ps[0].device_mesh.size(how[0])
+                    t, off = t.view(W, -1), 0
+                    for n, p in zip(names, ps):
+                        k = p._local_tensor.numel()
+                        part = t[:, off:off + k].view(W, *p._local_tensor.shape)
+                        self.whole[n] = part.movedim(0, how[1]).reshape(_tp_local(p)).contiguous()
+                        off += k
         return self
 
-    def accumulate(self, name: str, g: torch.Tensor) -> None:
-        """Add one microbatch's gradient of parameter ``name`` (whole, unreduced)."""
-        acc = self.grads.get(name)
-        if acc is None:
-            self.grads[name] = g.to(self._dtype(self.params[name], self.once.reduce), copy=True)
-        else:
-            acc.add_(g)
+    def accumulators(self, runner) -> list[torch.Tensor]:
+        """The buffers ``runner``'s backward adds its parameters' gradients into (in its gradient
+        order, ``passes/accumulate.py``), made (zeros, in the reduce dtype) at the step's first
+        backward."""
+        out = []
+        for i in runner.grad_index:
+            if i < runner.n_params:
+                name = runner.param_names[i]
+                if name not in self.grads:
+                    p = self.params[name]
+                    self.grads[name] = torch.zeros(self.whole[name].shape, dtype=self._dtype(p, self.once.reduce),
+                                                   device=self.whole[name].device)
+                out.append(self.grads[name])
+        return out
 
     def queue_reduce(self) -> None:
         """In a backward: reduce when autograd's backward pass ends (``auto``)."""
@@ -223,35 +212,39 @@ class StepWeights:
 
     def reduce(self) -> None:
         """Each accumulated gradient reduced to its parameter's shard (a bucket's in one
-        reduce-scatter, then one all-reduce over the replicas), added to ``param.grad``."""
+        reduce-scatter, then one all-reduce over the replicas; owned experts' sent back to the
+        shards' ranks in one all-to-all, no sum: only the owner computed them, then all-reduced
+        over the replicas), added to ``param.grad``."""
         pending = []
         with torch.no_grad():
-            for names in self._buckets():
+            for names, how in self._buckets():
                 names = [n for n in names if n in self.grads]
                 if not names:
                     continue
                 ps = [self.params[n] for n in names]
-                how = _flat_shard(ps[0])
+                mesh = ps[0].device_mesh
                 if how is None:
                     (p,) = ps
                     partial = [Partial("sum") if i in _dp_dims(p) else pl for i, pl in enumerate(p.placements)]
-                    d = DTensor.from_local(self.grads[names[0]], p.device_mesh, partial, run_check=False,
+                    d = DTensor.from_local(self.grads[names[0]], mesh, partial, run_check=False,
                                            shape=p.shape, stride=p.stride())
-                    pending.append((names, d.redistribute(p.device_mesh, p.placements).to_local()))
+                    pending.append((names, d.redistribute(mesh, p.placements).to_local()))
                     continue
-                mesh, W = ps[0].device_mesh, ps[0].device_mesh.size(how[0])
-                parts = []
-                for n in names:
-                    g, d = self.grads[n], how[1]
-                    parts.append(g.view(*g.shape[:d], W, g.shape[d] // W, *g.shape[d + 1:]).movedim(d, 0).reshape(W, -1))
-                flat = torch.cat(parts, dim=1).reshape(-1)
-                t = funcol.reduce_scatter_single(flat, "sum", 0, mesh.get_group(how[0]))
-                if how[2] is not None:
-                    t = funcol.all_reduce(t, "sum", mesh.get_group(how[2]))
+                if how is EXPERTS:
+                    t = funcol.all_to_all_single(torch.stack([self.grads[n] for n in names]), None, None,
+                                                 self.once.ep_group).reshape(-1)
+                else:
+                    W, d = mesh.size(how[0]), how[1]
+                    parts = [g.view(*g.shape[:d], W, g.shape[d] // W, *g.shape[d + 1:]).movedim(d, 0).reshape(W, -1)
+                             for g in (self.grads[n] for n in names)]
+                    t = funcol.reduce_scatter_single(torch.cat(parts, dim=1).reshape(-1), "sum", 0,
+                                                     mesh.get_group(how[0]))
+                for r in self._replicas(ps[0]):
+                    t = funcol.all_reduce(t, "sum", mesh.get_group(r))
                 pending.append((names, t))
             self.grads = {}
             for names, t in pending:
-                t, off = _waited(t), 0
+                t, off = _waited(t).reshape(-1), 0
                 for n in names:
                     p = self.params[n]
                     k = p._local_tensor.numel()
@@ -264,6 +257,57 @@ class StepWeights:
                         p.grad._local_tensor.add_(local)
         self.whole = {}
         self.queued = False
+
+    def _held_numel(self, names: list[str], how) -> int:
+        """Elements a bucket holds whole on this rank (owned experts: what the all-to-all received)."""
+        ps = [self.params[n] for n in names]
+        return sum(p._local_tensor.numel() if how is EXPERTS else math.prod(_tp_local(p)) for p in ps)
+
+    def held(self) -> dict:
+        """Bytes a step holds outside its graphs: the gathered parameters and their whole
+        gradients (in the reduce dtype), by kind."""
+        params = grads = 0
+        for names, how in self._buckets():
+            p = self.params[names[0]]
+            k = self._held_numel(names, how)
+            params += k * self._dtype(p, self.once.compute).itemsize
+            grads += k * self._dtype(p, self.once.reduce).itemsize if p.requires_grad else 0
+        return {"parameters gathered once per step": params, "whole gradients accumulated": grads}
+
+    def records(self) -> list[dict]:
+        """Each collective ``gather`` and ``reduce`` run, as ``passes.collective_record`` records
+        a graph's (bytes and dtype of the result), for ``explain``."""
+        out = []
+        for names, how in self._buckets():
+            p = self.params[names[0]]
+            mesh = p.device_mesh
+            whole = self._held_numel(names, how)
+            local = sum(self.params[n]._local_tensor.numel() for n in names)
+            gathered, reduced = self._dtype(p, self.once.compute), self._dtype(p, self.once.reduce)
+            common = {"source": names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}", "module": ""}
+
+            def rec(graph: str, kind: str, d, nbytes: int, dtype: torch.dtype, what: str) -> dict:
+                group = {"group": self.once.ep_group, "group_size": None, "dim": "ep"} if d is None else {
+                    "group": mesh.get_group(d).group_name, "group_size": mesh.size(d), "dim": mesh.mesh_dim_names[d]}
+                return {"graph": graph, "kind": kind, **group, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch."),
+                        "pass": what, **common}
+
+            if how is EXPERTS:
+                size = torch.distributed.distributed_c10d._resolve_process_group(self.once.ep_group).size()
+                out += [dict(rec("before the step", "all_to_all_single", None, local * gathered.itemsize, gathered, "ep"),
+                             group_size=size),
+                        dict(rec("after the step", "all_to_all_single", None, local * reduced.itemsize, reduced, "ep"),
+                             group_size=size)]
+            else:
+                shard = [how[0]] if how else [i for i in _dp_dims(p) if not isinstance(p.placements[i], Replicate)]
+                for d in shard:
+                    out.append(rec("before the step", "all_gather_into_tensor", d, whole * gathered.itemsize, gathered,
+                                   "fsdp"))
+                    out.append(rec("after the step", "reduce_scatter_tensor", d, local * reduced.itemsize, reduced,
+                                   "fsdp"))
+            for d in self._replicas(p):
+                out.append(rec("after the step", "all_reduce", d, local * reduced.itemsize, reduced, "ddp"))
+        return out
 
 
 @contextlib.contextmanager

@@ -82,7 +82,7 @@ CLI_CASES = [
     ("pin_unknown_key", "explain llama3-8b --gpus 8 --pin tensor=2", r"unknown pin 'tensor'; known: ac, cp, dp"),
     ("pin_bad_value", "explain llama3-8b --gpus 8 --pin ac=partial", r"ac='partial': choose one of none, selective, full"),
     ("pin_not_integer", "explain llama3-8b --gpus 8 --pin tp=two", r"pin tp='two' must be an integer"),
-    ("pin_estimate_only", "explain llama3-8b --gpus 8 --pin once=gather", r"once=gather is priced by `autopar estimate` only"),
+    ("pin_estimate_only", "explain llama3-8b --gpus 8 --pin once=reduce", r"once=reduce is priced by `autopar estimate` only"),
     ("pin_once_bad_value", "estimate llama3-8b --gpus 8 --plan fsdp=1,dp=8,once=always", r"once='always': choose microbatch"),
     ("pin_unit_estimate_only", "explain llama3-8b --gpus 8 --pin unit=tensor", r"unit=tensor is priced by `autopar estimate` only"),
     ("unit_bad_value", "estimate llama3-8b --gpus 8 --plan fsdp=1,dp=8,unit=param", r"unit='param': choose layer"),

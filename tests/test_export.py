@@ -14,6 +14,8 @@ PLANS = {
     "hsdp": "tp=1,pp=1,dp=64,dp_shard=16,sp=0,fsdp=1,mb=1,ac=none",
     "pp_interleaved_full": "tp=2,pp=4,dp=8,sp=1,fsdp=0,mb=1,ac=full,schedule=interleaved,v=2",
     "pp_zbv": "tp=1,pp=4,dp=16,sp=0,fsdp=1,mb=1,ac=none,schedule=zbv,v=2",
+    # ZeRO-1 (gathered once per step): Megatron-LM's distributed optimizer
+    "pp_zero1": "tp=1,pp=4,dp=16,sp=0,fsdp=1,mb=1,ac=none,schedule=1f1b,once=gather",
 }
 
 
@@ -59,7 +61,7 @@ def test_torchtitan_layout_is_the_plans(plans, name):
                                                     else "none")
 
 
-@pytest.mark.parametrize("name", ["fsdp_tp_sp", "pp_interleaved_full"])
+@pytest.mark.parametrize("name", ["fsdp_tp_sp", "pp_interleaved_full", "pp_zero1"])
 def test_megatron_layout_is_the_plans(plans, name):
     p = plans[name]
     a = _megatron_args(export(p, "megatron"))
@@ -68,7 +70,8 @@ def test_megatron_layout_is_the_plans(plans, name):
     assert (tp, pp) == (p.tp, p.pp) and p.world_size // (tp * pp * cp) == p.dp
     assert int(a["--micro-batch-size"]) == p.mb and int(a["--global-batch-size"]) == p.global_batch
     assert int(a["--num-layers"]) == len(p.layers) and ("--sequence-parallel" in a) == p.sp
-    assert ("--use-torch-fsdp2" in a) == p.fsdp
+    assert ("--use-torch-fsdp2" in a) == (p.fsdp and not p.fsdp_once)
+    assert ("--use-distributed-optimizer" in a) == (p.fsdp_once == "gather")
     if p.schedule == "interleaved" and p.pp > 1:
         assert int(a["--num-layers-per-virtual-pipeline-stage"]) * p.pp * p.v == len(p.layers)
     if all(l.ac == "full" for l in p.layers):

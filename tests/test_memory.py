@@ -246,19 +246,20 @@ def test_once_per_step_collectives_are_the_priced_ones(fake_group):
 # to it (the walk takes each routed size at its even share); measured 0.89 (no AC) and 0.91 (full)
 # of the prediction. Under EP x TP + SP with selective AC the prediction is 26% above (0.74): not
 # asserted here.
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_ep_executed_memory_is_what_the_plan_priced(fake_group, ac):
+@pytest.mark.parametrize("ac,once", [("none", "microbatch"), ("full", "microbatch"), ("none", "gather")])
+def test_ep_executed_memory_is_what_the_plan_priced(fake_group, ac, once):
     """Mixtral under ep 4 x FSDP 4: the executed graphs' step peak (``explain --graph``) against
-    the plan's gathered parameters and activations, within 15%."""
+    the plan's gathered parameters and activations, within 15%; also gathered once per step (each
+    rank's own experts' weights and gradients held through the step)."""
     from autopar import inspect_graph
 
     def build():
         return zoo.build("hf-mixtral")
 
     xs, _ = zoo.example("hf-mixtral", 1, B=8, S=32)
-    plan = autopar.plan(build, WORLD, pin=f"ep=4,dp=4,fsdp=1,tp=1,pp=1,ac={ac},mb=1", hardware="h100",
+    plan = autopar.plan(build, WORLD, pin=f"ep=4,dp=4,fsdp=1,tp=1,pp=1,ac={ac},mb=1,once={once}", hardware="h100",
                         global_batch=8, example_inputs=xs)
-    assert plan.ep == 4
+    assert plan.ep == 4 and plan.fsdp_once == ("" if once == "microbatch" else once)
     ex = inspect_graph.executed_memory(build, plan)
     pred = plan.predicted["memory_breakdown_gb"]
     predicted = (pred["unsharded_params"] + pred["activations"]) * 2**30

@@ -174,6 +174,9 @@ CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
 # input-gradient one).
 EP4_FSDP4 = {"ep": 4, "dp": 4, "fsdp": 1}
 CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mixtral", "ep4_fsdp4_bf16", EP4_FSDP4, mp="bf16-mixed"),
+         # gathered once per step: each rank's own experts' weights received once before the 2
+         # microbatches, their gradients sent back once after them (zero.py)
+         case("hf-mixtral", "ep4_fsdp4_once", {**EP4_FSDP4, "mb": 1, "once": "gather"}),
          case("hf-qwen3-moe", "ep2_hsdp2x2_ac_full", {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1, "ac": "full"}),
          case("hf-mixtral", "pp2_ep2_ddp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "1f1b", "mb": 1}),
          case("hf-deepseek-v2-4layers", "pp2_ep2_zbv",

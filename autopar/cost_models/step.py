@@ -908,9 +908,8 @@ EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again af
 def ep_owned(cfg) -> bool:
     """Whether each ep rank reads only its own experts' weights: FSDP shards them over exactly the
     ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers.
-    Not when gathered once per step (``fsdp_once``): every expert is gathered then.
     ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
-    return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1 and not cfg.fsdp_once
+    return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
 
 
 def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
@@ -927,10 +926,14 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
     out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count"),
            ("all_to_all", rows, 2, 2, "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
     if ep_owned(cfg):  # one all-to-all per grouped linear (gate, up, down)
-        regather = 1 if cfg.reshard else 0
         n = sum(1 for l in b.linears if l.group)
-        per = b.expert_params / n / cfg.tp / cfg.ep * ctx.act_bytes
-        out.append(("all_to_all", per, n, n * (1 + regather), EP_WEIGHTS))
+        per = b.expert_params / n / cfg.tp / cfg.ep
+        if cfg.fsdp_once == "gather":  # once per step (zero.py): the weights there, the gradients back
+            M = ctx.global_batch // cfg.dp // cfg.mb
+            out += [("all_to_all", per * ctx.act_bytes, n / M, 0, EP_WEIGHTS),
+                    ("all_to_all", per * ctx.reduce_bytes, 0, n / M, EP_WEIGHTS)]
+        else:
+            out.append(("all_to_all", per * ctx.act_bytes, n, n * (2 if cfg.reshard else 1), EP_WEIGHTS))
     return out
 
 

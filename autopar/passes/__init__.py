@@ -23,6 +23,8 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
    into its input-gradient and weight-gradient parts.
 6. ``regions`` (``passes/regions.py``): each repeated layer's compute as calls of one shared
    subgraph per distinct segment, so Inductor compiles each distinct layer once.
+7. ``accumulate`` (``passes/accumulate.py``, parameters gathered once per step): each
+   parameter's gradient added in place into the step's buffer for it where it is made.
 
 Then Inductor compiles each graph whole (``backend.compile_step``), keeping the order the passes
 chose; ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for
@@ -126,6 +128,7 @@ def step_passes() -> list[Pass]:
     """The passes every step graph goes through, in order."""
     from autopar import backend
     from autopar.passes.ac import apply_ac
+    from autopar.passes.accumulate import accumulate
     from autopar.passes.distribute import distribute
     from autopar.passes.groups import rank_agnostic_groups
     from autopar.passes.overlap import overlap
@@ -141,6 +144,7 @@ def step_passes() -> list[Pass]:
         Pass("zero-bubble split", StepGraphs, StepGraphs, split_weight_gradients,
              when=lambda ctx: ctx.step.split_weight is not None),
         Pass("regions", StepGraphs, StepGraphs, regions, optional=True),
+        Pass("accumulate", StepGraphs, StepGraphs, accumulate, when=lambda ctx: ctx.step.accumulate is not None),
         Pass("group names", StepGraphs, StepGraphs, rank_agnostic_groups),
     ]
 

@@ -88,6 +88,31 @@ class Layout:
     def dp_placements(self, i: int) -> list:
         return [Replicate() if d == "dp_replicate" else self.dp[i] for d in self.dp_dims]
 
+    def owned_dim(self, indices: list[int]) -> int | None:
+        """The dim along which FSDP splits one grouped linear's expert weights (parameters
+        ``indices``) where each ep rank reads only its own experts' (``ep.owned_weights``): they
+        are alike, split along one dim evenly over the ep ranks, placed alike by TP; else None."""
+        if self.ep is None or not self.ep.owners_read:
+            return None
+        shapes = [self.tp_local_shape(i) for i in indices]
+        dims = {self.dp[i].dim if isinstance(self.dp[i], Shard) else None for i in indices}
+        (dim,) = dims if len(dims) == 1 else (None,)
+        if dim is None or any(shape[dim] % self.ep.size or shape != shapes[0] for shape in shapes) or len(
+                {self.tp.get(i) for i in indices}) != 1:
+            return None
+        return dim
+
+    def owned_experts(self, sg) -> list[tuple[tuple[int, ...], int]]:
+        """Step graph ``sg``'s grouped linears whose expert weights each ep rank reads only its
+        own of: (their parameter indices, the dim FSDP splits them along)."""
+        place = {ph: i for i, ph in enumerate(sg.placeholders()[:sg.n_params])}
+        out = {}
+        for n in ep_pass.blocks(sg.gm):
+            idx = tuple(place.get(w, -1) for w in n.args[1])
+            if idx not in out and -1 not in idx and (dim := self.owned_dim(list(idx))) is not None:
+                out[idx] = dim
+        return list(out.items())
+
 
 class Unread:
     """A parameter not read yet: ``replay`` reads it (``read(consumer_node)``) at its first use,
@@ -517,15 +542,15 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         made whole over the replicas (HSDP) and cast to the compute dtype, as ``read_param`` reads
         it; None where the weights are not split alike and evenly over the ep ranks (then each is
         gathered whole)."""
-        shapes = [layout.tp_local_shape(u.index) for u in unread]
-        dims = {layout.dp[u.index].dim if isinstance(layout.dp[u.index], Shard) else None for u in unread}
-        (dim,) = dims if len(dims) == 1 else (None,)
-        if dim is None or any(shape[dim] % layout.ep.size or shape != shapes[0] for shape in shapes) or len(
-                {layout.tp.get(u.index) for u in unread}) != 1:
+        dim = layout.owned_dim([u.index for u in unread])
+        if dim is None:
             return None
+        tp_pl = layout.tp.get(unread[0].index, Replicate())
         xs = []
         use_layer = consumer.meta.get("custom", {}).get("layer")
         with fx_traceback.annotate({"pass": "ep", "why": ep_pass.WEIGHTS, "use_layer": use_layer}):
+            if layout.once:  # what the runtime's all-to-all before the step received (zero.py)
+                return ep_pass.assembled(torch.stack([u.local for u in unread]), layout.ep.size, dim), tp_pl
             for u in unread:
                 x = u.local
                 if "dp_replicate" in layout.dp_dims:
@@ -535,7 +560,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                 if layout.compute is not None and x.dtype != layout.compute:
                     x = x.to(layout.compute)
                 xs.append(x)
-            return ep_pass.owned_weights(xs, layout.ep, dim), layout.tp.get(unread[0].index, Replicate())
+            return ep_pass.owned_weights(xs, layout.ep, dim), tp_pl
 
     def joint(primals, tangents):
         with implicit_replication():

@@ -139,10 +139,14 @@ def owned_weights(shards: list[torch.Tensor], g: EPGroup, dim: int) -> list[torc
     each owner its shards of that owner's experts (``1 / ep`` of the bytes an FSDP gather of every
     expert moves). Its backward sends each rank its shard of the owners' whole gradients: no
     reduction, as only the owner computes an expert's gradient."""
-    n, el = g.size, len(shards) // g.size
     stacked = torch.stack(shards)  # (E, *shard): the experts in owner order
-    got = funcol.all_to_all_single_autograd(stacked, None, None, g.group_name)  # [source][my expert]
-    piece = list(stacked.shape[1:])
+    return assembled(funcol.all_to_all_single_autograd(stacked, None, None, g.group_name), g.size, dim)
+
+
+def assembled(got: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
+    """This rank's experts' whole weights from what ``owned_weights``' all-to-all (over ``n``
+    ranks) received: ``got[source * E/n + k]``, source's shard along ``dim`` of its k-th expert."""
+    el, piece = got.shape[0] // n, list(got.shape[1:])
     whole = [*piece[:dim], n * piece[dim], *piece[dim + 1:]]
     return list(got.view(n, el, *piece).movedim(0, 1 + dim).reshape(el, *whole).unbind(0))
 

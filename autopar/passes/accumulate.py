@@ -1,0 +1,63 @@
+"""Gradients accumulated where they are made, for parameters gathered once per step (ZeRO-1).
+
+Under ``Plan.fsdp_once == "gather"`` the backward graph makes each parameter's whole gradient of
+one microbatch, which the runtime adds into that parameter's buffer for the step (``zero.py``).
+Returned as graph outputs, every layer's gradients would be alive together at the backward's
+end, beside the buffers (one more copy of the model's gradients). This pass gives the backward
+(or, under a zero-bubble schedule, its weight-gradient part) one more input per such gradient,
+the buffer, and adds the gradient into it in place right after the node that makes it
+(``aten.add_``: Inductor writes into the buffer, in the reduce dtype), returning None in its
+place; so a gradient lives from its making to its addition, as autograd's accumulation into
+``.grad`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The meta key of an accumulator input (``memory.py``: held by the rank, not the step's).
+ACCUMULATOR = "autopar_accumulator"
+
+
+def accumulate(graphs, plan, ctx):
+    """The backward graphs (flat and with layer calls) of ``graphs`` with the gradients at
+    ``ctx.step.accumulate`` (output positions) added into accumulator inputs."""
+    positions = ctx.step.accumulate
+    reduce = ctx.step.layout.reduce
+    names = ("bw_weight", "bw_weight_regions") if graphs.bw_weight is not None else ("bw", "bw_regions")
+    for name in names:
+        gm = getattr(graphs, name)
+        if gm is not None:
+            into_accumulators(gm, positions, reduce)
+    return graphs
+
+
+def into_accumulators(gm: torch.fx.GraphModule, positions: list[int], reduce: torch.dtype | None) -> None:
+    """In place: output ``j`` of ``gm`` (for ``j`` in ``positions``) added into a new input
+    (after the others, in ``positions`` order) in dtype ``reduce`` (None: the gradient's own),
+    and returned as None."""
+    g = gm.graph
+    out = g.output_node()
+    vals = list(out.args[0])
+    last = list(g.find_nodes(op="placeholder"))[-1]
+    accs = {}
+    for j in positions:  # the inputs first, after the graph's own
+        src = vals[j]
+        if src is None:
+            continue
+        val = src.meta["val"]
+        dtype = reduce if reduce is not None and val.is_floating_point() else val.dtype
+        with g.inserting_after(last):
+            last = accs[j] = g.placeholder(f"acc_{j}")
+        with val.fake_mode:
+            last.meta["val"] = torch.empty(val.shape, dtype=dtype, device=val.device)
+        last.meta[ACCUMULATOR] = True
+    for j, acc in accs.items():
+        src = vals[j]
+        with g.inserting_after(last if src.op == "placeholder" else src):
+            add = g.call_function(torch.ops.aten.add_.Tensor, (acc, src))
+        add.meta["val"] = acc.meta["val"]
+        vals[j] = None
+    out.args = (type(out.args[0])(vals),)
+    g.lint()
+    gm.recompile()
