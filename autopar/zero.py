@@ -172,7 +172,9 @@ class StepWeights:
                 else:
                     flat = torch.cat([p._local_tensor.to(dtype).reshape(-1) for p in ps])
                     pending.append((names, how, funcol.all_gather_single(flat, 0, ps[0].device_mesh.get_group(how[0]))))
-            for names, how, t in pending:
+            pending.reverse()
+            while pending:  # each gathered buffer freed once copied out of
+                names, how, t = pending.pop()
                 t = _waited(t)
                 if how is None:
                     self.whole[names[0]] = t
@@ -216,34 +218,39 @@ class StepWeights:
         shards' ranks in one all-to-all, no sum: only the owner computed them, then all-reduced
         over the replicas), added to ``param.grad``."""
         pending = []
+        self.whole = {}  # the step's graphs are done with them
         with torch.no_grad():
             for names, how in self._buckets():
                 names = [n for n in names if n in self.grads]
                 if not names:
                     continue
+                grads = [self.grads.pop(n) for n in names]  # each buffer freed once its collective has it
                 ps = [self.params[n] for n in names]
                 mesh = ps[0].device_mesh
                 if how is None:
                     (p,) = ps
                     partial = [Partial("sum") if i in _dp_dims(p) else pl for i, pl in enumerate(p.placements)]
-                    d = DTensor.from_local(self.grads[names[0]], mesh, partial, run_check=False,
+                    d = DTensor.from_local(grads[0], mesh, partial, run_check=False,
                                            shape=p.shape, stride=p.stride())
                     pending.append((names, d.redistribute(mesh, p.placements).to_local()))
                     continue
                 if how is EXPERTS:
-                    t = funcol.all_to_all_single(torch.stack([self.grads[n] for n in names]), None, None,
+                    t = funcol.all_to_all_single(torch.stack(grads), None, None,
                                                  self.once.ep_group).reshape(-1)
                 else:
                     W, d = mesh.size(how[0]), how[1]
                     parts = [g.view(*g.shape[:d], W, g.shape[d] // W, *g.shape[d + 1:]).movedim(d, 0).reshape(W, -1)
-                             for g in (self.grads[n] for n in names)]
+                             for g in grads]
                     t = funcol.reduce_scatter_single(torch.cat(parts, dim=1).reshape(-1), "sum", 0,
                                                      mesh.get_group(how[0]))
+                del grads, parts
                 for r in self._replicas(ps[0]):
                     t = funcol.all_reduce(t, "sum", mesh.get_group(r))
                 pending.append((names, t))
             self.grads = {}
-            for names, t in pending:
+            pending.reverse()
+            while pending:
+                names, t = pending.pop()
                 t, off = _waited(t).reshape(-1), 0
                 for n in names:
                     p = self.params[n]

@@ -6,7 +6,7 @@ Returned as graph outputs, every layer's gradients would be alive together at th
 end, beside the buffers (one more copy of the model's gradients). This pass gives the backward
 (or, under a zero-bubble schedule, its weight-gradient part) one more input per such gradient,
 the buffer, and adds the gradient into it in place right after the node that makes it
-(``aten.add_``: Inductor writes into the buffer, in the reduce dtype), returning None in its
+(``autopar::accumulate_``, in the buffer's reduce dtype), returning None in its
 place; so a gradient lives from its making to its addition, as autograd's accumulation into
 ``.grad`` does.
 """
@@ -17,6 +17,20 @@ import torch
 
 # The meta key of an accumulator input (``memory.py``: held by the rank, not the step's).
 ACCUMULATOR = "autopar_accumulator"
+
+
+@torch.library.custom_op("autopar::accumulate_", mutates_args=("acc",))
+def accumulate_(acc: torch.Tensor, g: torch.Tensor) -> None:
+    """``acc += g`` in place (``g`` cast to ``acc``'s dtype). An op of its own: written as
+    ``aten.add_``, Inductor folds the addition into the matmul that makes ``g`` (``addmm``) and
+    writes the sum to a new buffer, copied into ``acc`` only at the graph's end, so every
+    layer's sums would be alive together."""
+    acc.add_(g)
+
+
+@accumulate_.register_fake
+def _(acc, g):
+    return None
 
 
 def accumulate(graphs, plan, ctx):
@@ -55,8 +69,8 @@ def into_accumulators(gm: torch.fx.GraphModule, positions: list[int], reduce: to
     for j, acc in accs.items():
         src = vals[j]
         with g.inserting_after(last if src.op == "placeholder" else src):
-            add = g.call_function(torch.ops.aten.add_.Tensor, (acc, src))
-        add.meta["val"] = acc.meta["val"]
+            add = g.call_function(torch.ops.autopar.accumulate_.default, (acc, src))
+        add.meta["val"] = None
         vals[j] = None
     out.args = (type(out.args[0])(vals),)
     g.lint()
