@@ -89,20 +89,25 @@ def _dp_dims(p: DTensor) -> list[int]:
     return [i for i, n in enumerate(p.device_mesh.mesh_dim_names) if n.startswith("dp")]
 
 
-def _flat_shard(p: DTensor) -> tuple[int, int, int | None] | None:
-    """(mesh dim sharded, tensor dim, mesh dim replicated or None) where ``p`` is split evenly
-    along one tensor dim over one data-parallel mesh dim (and replicated over any other): its
-    shards then travel in a flat bucket; None otherwise (gathered by itself through DTensor)."""
+def _flat_shard(p: DTensor) -> tuple[int, int | None] | None:
+    """(mesh dim sharded, mesh dim replicated or None) where ``p`` is split evenly along one
+    tensor dim (``_shard_dim``) over one data-parallel mesh dim (and replicated over any other):
+    its shards then travel in a flat bucket with others split over the same dims; None
+    otherwise (gathered by itself through DTensor)."""
     dims = _dp_dims(p)
     shard = [i for i in dims if isinstance(p.placements[i], Shard)]
     rep = [i for i in dims if isinstance(p.placements[i], Replicate)]
     if len(shard) != 1 or len(shard) + len(rep) != len(dims):
         return None
     d = p.placements[shard[0]].dim
-    local = p._local_tensor.shape
-    if local[d] * p.device_mesh.size(shard[0]) != _tp_local(p)[d]:
+    if p._local_tensor.shape[d] * p.device_mesh.size(shard[0]) != _tp_local(p)[d]:
         return None
-    return shard[0], d, rep[0] if rep else None
+    return shard[0], rep[0] if rep else None
+
+
+def _shard_dim(p: DTensor) -> int:
+    """The tensor dim data parallelism splits ``p`` along (one where ``_flat_shard`` holds)."""
+    return next(p.placements[i].dim for i in _dp_dims(p) if isinstance(p.placements[i], Shard))
 
 
 def _tp_local(p: DTensor) -> tuple:
@@ -187,7 +192,7 @@ class StepWeights:
                     for n, p in zip(names, ps):
                         k = p._local_tensor.numel()
                         part = t[:, off:off + k].view(W, *p._local_tensor.shape)
-                        self.whole[n] = part.movedim(0, how[1]).reshape(_tp_local(p)).contiguous()
+                        self.whole[n] = part.movedim(0, _shard_dim(p)).reshape(_tp_local(p)).contiguous()
                         off += k
         return self
 
@@ -238,9 +243,10 @@ class StepWeights:
                     t = funcol.all_to_all_single(torch.stack(grads), None, None,
                                                  self.once.ep_group).reshape(-1)
                 else:
-                    W, d = mesh.size(how[0]), how[1]
-                    parts = [g.view(*g.shape[:d], W, g.shape[d] // W, *g.shape[d + 1:]).movedim(d, 0).reshape(W, -1)
-                             for g in grads]
+                    W = mesh.size(how[0])
+                    parts = []
+                    for g, d in zip(grads, map(_shard_dim, ps)):
+                        parts.append(g.view(*g.shape[:d], W, g.shape[d] // W, *g.shape[d + 1:]).movedim(d, 0).reshape(W, -1))
                     t = funcol.reduce_scatter_single(torch.cat(parts, dim=1).reshape(-1), "sum", 0,
                                                      mesh.get_group(how[0]))
                 del grads, parts

@@ -71,6 +71,15 @@ def into_accumulators(gm: torch.fx.GraphModule, positions: list[int], reduce: to
         with g.inserting_after(last if src.op == "placeholder" else src):
             add = g.call_function(torch.ops.autopar.accumulate_.default, (acc, src))
         add.meta["val"] = None
+        dtype = acc.meta["val"].dtype
+        if src.meta["val"].dtype != dtype:
+            # Cast in the graph, where Inductor can fuse it into the kernel making the gradient
+            # and the memory walk sees it (inside the op ``add_`` would make the copy itself).
+            with g.inserting_before(add):
+                cast = g.call_function(torch.ops.prims.convert_element_type.default, (src, dtype))
+            with src.meta["val"].fake_mode:
+                cast.meta["val"] = torch.ops.prims.convert_element_type.default(src.meta["val"], dtype)
+            add.args = (acc, cast)
         vals[j] = None
     out.args = (type(out.args[0])(vals),)
     g.lint()
