@@ -17,6 +17,38 @@ def machine() -> dict:
     }
 
 
+def run_depths(argv, world: int, run, finish) -> list[dict]:
+    """``--layers 4,8 --steps 3`` from ``argv``: ``run(layers, steps)`` on ``world`` gloo processes
+    per depth (a fresh Inductor cache unless one is set), each row the worst rank's
+    (``worst_rank``), completed by ``finish(row, layers)`` and printed."""
+    import argparse
+    import tempfile
+
+    from autopar import launch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", default="4")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-inductor-"))
+    rows = []
+    for layers in map(int, args.layers.split(",")):
+        row = worst_rank(launch.run(world, "gloo", run, layers, args.steps))
+        finish(row, layers)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        rows.append(row)
+    return rows
+
+
+def worst_rank(per: list[dict]) -> dict:
+    """Rank 0's row with every time (``_s``) and memory (``_mib``) the largest over the ranks."""
+    row = dict(per[0])
+    for k in row:
+        if k.endswith(("_mib", "_s")):
+            row[k] = max(x[k] for x in per)
+    return row
+
+
 def write(name: str, rows: list[dict], summary: dict, columns: list[str], title: str, extra: dict | None = None) -> None:
     """``name``.json (machine, summary, rows and ``extra``) and ``name``.md (a table of ``columns``)."""
     os.makedirs(RESULTS, exist_ok=True)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from autopar import launch
 from autopar.memory import allocator_peaks
-from bench.common import write
+from bench.common import worst_rank, write
 
 HIDDEN, FFN, HEADS, VOCAB = 1024, 4096, 16, 512
 BATCH, SEQ = 4, 256  # global: each data-parallel rank runs its share in one microbatch
@@ -164,6 +164,26 @@ def alternate_steps(sides: dict, steps: int) -> tuple[dict, dict]:
     return losses, times
 
 
+def measure_sides(sides: dict, steps: int, out: dict, gloo: bool = False) -> dict:
+    """Each side's step time (``<side>_s``: the median of ``alternate_steps``) and allocator peak
+    (``<side>_alloc_mib``, gloo's staging copies left out; with ``gloo`` also ``<side>_alloc_gloo_mib``
+    with them) into ``out``; returns the sides' first losses. The median of three peaks: when
+    gloo's threads let go of a finished collective's buffers moves autopar's peak (its
+    collectives run asynchronously) by up to 100 MiB from step to step."""
+    losses, times = alternate_steps(sides, steps)
+    for side, (fn, _) in sides.items():
+        peaks = []
+        for _ in range(3):
+            _clear(sides)
+            peaks.append(allocator_peaks(fn))
+        with_gloo, own = (statistics.median(p) for p in zip(*peaks))
+        out[f"{side}_alloc_mib"] = own
+        if gloo:
+            out[f"{side}_alloc_gloo_mib"] = with_gloo
+        out[f"{side}_s"] = statistics.median(times[side])
+    return losses
+
+
 def _setup(world: int, name: str, layers: int, compile: bool, mp: str, model: str):
     """autopar's compiled model and FSDP2's, of the same weights, and the batch."""
     import autopar
@@ -224,18 +244,10 @@ def _run(name, layers, steps, compile, mp, model) -> dict:
     ids, tgt, pm, ref, dp, setup = _setup(world, name, layers, compile, mp, model)
     sides = _side_by_side(ids, tgt, pm, ref, pm._dp_rank, dp)
     out = {"name": name, "layers": layers, "plan": pm.plan.as_config_string(), "autopar_setup_s": setup}
-    losses, times = alternate_steps(sides, steps)
+    losses = measure_sides(sides, steps, out, gloo=True)
     for side, (fn, _) in sides.items():
-        # The median of three: when gloo's threads let go of a finished collective's buffers moves
-        # autopar's peak (its collectives run asynchronously) by up to 100 MiB from step to step.
-        peaks = []
-        for _ in range(3):
-            _clear(sides)
-            peaks.append(allocator_peaks(fn))
-        out[f"{side}_alloc_gloo_mib"], out[f"{side}_alloc_mib"] = (statistics.median(p) for p in zip(*peaks))
         _clear(sides)
         out[f"{side}_rss_mib"] = resident_peak_mib(fn)
-        out[f"{side}_s"] = statistics.median(times[side])
     # FSDP2's loss is this rank's share: the mean over data-parallel ranks is the global mean.
     ref_loss = torch.tensor(losses["fsdp2"])
     dist.all_reduce(ref_loss)
@@ -271,10 +283,7 @@ def main(argv=None) -> int:
                       file=sys.stderr)
                 return 1
             fake = fake.results[0][0]
-            row = dict(per[0])
-            for k in row:
-                if k.endswith(("_mib", "_s")):
-                    row[k] = max(x[k] for x in per)  # the worst rank
+            row = worst_rank(per)
             row.update(fake)
             row["fake_ratio"] = row["autopar_fake_mib"] / row["fsdp2_fake_mib"]
             row["alloc_ratio"] = row["autopar_alloc_mib"] / row["fsdp2_alloc_mib"]

@@ -23,10 +23,7 @@ than without it.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import os
-import statistics
 import time
 from contextlib import nullcontext
 from unittest import mock
@@ -34,10 +31,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from autopar import launch, traceable
-from autopar.memory import allocator_peaks
-from bench.common import write
-from bench.memory import _clear, alternate_steps, fsdp2_model
+from autopar import traceable
+from bench.common import run_depths, write
+from bench.memory import fsdp2_model, measure_sides
 
 HIDDEN, FFN, EXPERTS, TOP_K, HEADS, VOCAB = 256, 512, 8, 2, 8, 512
 BATCH, SEQ, WORLD = 4, 256, 2
@@ -113,14 +109,7 @@ def _run(layers: int, steps: int) -> dict:
         return loss
 
     sides["fsdp2"] = (fsdp2_step, ref)
-    losses, times = alternate_steps(sides, steps)
-    for side, (fn, _) in sides.items():
-        peaks = []
-        for _ in range(3):
-            _clear(sides)
-            peaks.append(allocator_peaks(fn)[1])
-        out[f"{side}_alloc_mib"] = statistics.median(peaks)
-        out[f"{side}_s"] = statistics.median(times[side])
+    losses = measure_sides(sides, steps, out)
     ref_loss = torch.tensor(losses["fsdp2"])
     dist.all_reduce(ref_loss)
     out["loss_routed_vs_fsdp2"] = abs(losses["routed"] - float(ref_loss) / world)
@@ -129,34 +118,22 @@ def _run(layers: int, steps: int) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", default="4")
-    ap.add_argument("--steps", type=int, default=3)
-    args = ap.parse_args(argv)
-    import tempfile
+def _ratios(row: dict, layers: int) -> None:
+    row["routed_expert_gflop_per_token"] = expert_flops_per_token(layers) / 1e9
+    with dense_form():
+        row["dense_expert_gflop_per_token"] = expert_flops_per_token(layers) / 1e9
+    row["time_routed_over_dense"] = row["routed_s"] / row["dense_s"]
+    row["time_ep_over_routed"] = row["ep_s"] / row["routed_s"]
+    row["time_ep_over_dense"] = row["ep_s"] / row["dense_s"]
+    row["alloc_ep_over_routed"] = row["ep_alloc_mib"] / row["routed_alloc_mib"]
+    row["time_routed_over_fsdp2"] = row["routed_s"] / row["fsdp2_s"]
+    row["alloc_routed_over_dense"] = row["routed_alloc_mib"] / row["dense_alloc_mib"]
+    row["alloc_routed_over_fsdp2"] = row["routed_alloc_mib"] / row["fsdp2_alloc_mib"]
+    row["flops_routed_over_dense"] = row["routed_expert_gflop_per_token"] / row["dense_expert_gflop_per_token"]
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-inductor-"))
-    rows = []
-    for layers in map(int, args.layers.split(",")):
-        per = launch.run(WORLD, "gloo", _run, layers, args.steps)
-        row = dict(per[0])
-        row["routed_expert_gflop_per_token"] = expert_flops_per_token(layers) / 1e9
-        with dense_form():
-            row["dense_expert_gflop_per_token"] = expert_flops_per_token(layers) / 1e9
-        for k in row:
-            if k.endswith(("_mib", "_s")):
-                row[k] = max(x[k] for x in per)  # the worst rank
-        row["time_routed_over_dense"] = row["routed_s"] / row["dense_s"]
-        row["time_ep_over_routed"] = row["ep_s"] / row["routed_s"]
-        row["time_ep_over_dense"] = row["ep_s"] / row["dense_s"]
-        row["alloc_ep_over_routed"] = row["ep_alloc_mib"] / row["routed_alloc_mib"]
-        row["time_routed_over_fsdp2"] = row["routed_s"] / row["fsdp2_s"]
-        row["alloc_routed_over_dense"] = row["routed_alloc_mib"] / row["dense_alloc_mib"]
-        row["alloc_routed_over_fsdp2"] = row["routed_alloc_mib"] / row["fsdp2_alloc_mib"]
-        row["flops_routed_over_dense"] = row["routed_expert_gflop_per_token"] / row["dense_expert_gflop_per_token"]
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        rows.append(row)
+
+def main(argv=None) -> int:
+    rows = run_depths(argv, WORLD, _run, _ratios)
     summary = {"model": f"HF Mixtral hidden {HIDDEN}, {EXPERTS} experts of FFN {FFN}, top {TOP_K}, {HEADS} heads, "
                         f"vocab {VOCAB}, fp32",
                "batch": f"{BATCH} x {SEQ} tokens global, one microbatch per rank",

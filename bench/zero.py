@@ -31,19 +31,14 @@ parameters and gradients (more memory, as FSDP2's ``fsdp2_once`` does); no slowe
 
 from __future__ import annotations
 
-import argparse
 import copy
-import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from autopar import launch
-from autopar.memory import allocator_peaks
-from bench.common import write
-from bench.memory import _clear, alternate_steps
+from bench.common import run_depths, write
+from bench.memory import measure_sides
 
 HIDDEN, FFN, HEADS, VOCAB = 512, 2048, 8, 512
 BATCH, SEQ, WORLD = 8, 128, 2
@@ -116,14 +111,7 @@ def _run(layers: int, steps: int) -> dict:
         out[f"{form}_plan"] = pm.plan.as_config_string()
         sides[form] = (lambda pm=pm: pm.step(ids, target=tgt), pm)
     sides.update(fsdp2_sides(base, ids, tgt))
-    losses, times = alternate_steps(sides, steps)
-    for side, (fn, _) in sides.items():
-        peaks = []
-        for _ in range(3):
-            _clear(sides)
-            peaks.append(allocator_peaks(fn)[1])
-        out[f"{side}_alloc_mib"] = statistics.median(peaks)
-        out[f"{side}_s"] = statistics.median(times[side])
+    losses = measure_sides(sides, steps, out)
     ref = torch.tensor(losses["fsdp2"])
     dist.all_reduce(ref)
     for side in ("once", "fsdp", "fsdp2_once"):
@@ -135,28 +123,16 @@ def _run(layers: int, steps: int) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", default="4")
-    ap.add_argument("--steps", type=int, default=3)
-    args = ap.parse_args(argv)
-    import tempfile
+def _ratios(row: dict, _layers: int) -> None:
+    row["time_once_over_fsdp2_once"] = row["once_s"] / row["fsdp2_once_s"]
+    row["alloc_once_over_fsdp2_once"] = row["once_alloc_mib"] / row["fsdp2_once_alloc_mib"]
+    row["time_once_over_fsdp"] = row["once_s"] / row["fsdp_s"]
+    row["alloc_once_over_fsdp"] = row["once_alloc_mib"] / row["fsdp_alloc_mib"]
+    row["liveness_once_over_pred"] = row["once_liveness_mib"] / row["once_pred_step_mib"]
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-inductor-"))
-    rows = []
-    for layers in map(int, args.layers.split(",")):
-        per = launch.run(WORLD, "gloo", _run, layers, args.steps)
-        row = dict(per[0])
-        for k in row:
-            if k.endswith(("_mib", "_s")):
-                row[k] = max(x[k] for x in per)  # the worst rank
-        row["time_once_over_fsdp2_once"] = row["once_s"] / row["fsdp2_once_s"]
-        row["alloc_once_over_fsdp2_once"] = row["once_alloc_mib"] / row["fsdp2_once_alloc_mib"]
-        row["time_once_over_fsdp"] = row["once_s"] / row["fsdp_s"]
-        row["alloc_once_over_fsdp"] = row["once_alloc_mib"] / row["fsdp_alloc_mib"]
-        row["liveness_once_over_pred"] = row["once_liveness_mib"] / row["once_pred_step_mib"]
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        rows.append(row)
+
+def main(argv=None) -> int:
+    rows = run_depths(argv, WORLD, _run, _ratios)
     summary = {"model": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, fp32",
                "batch": f"{BATCH} x {SEQ} tokens global: {M} microbatches of one sequence per rank, {WORLD} gloo processes",
                "sides": "autopar once=gather (ZeRO-1); autopar FSDP per microbatch; FSDP2 gathered once and reduced once "
