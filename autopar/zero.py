@@ -239,12 +239,12 @@ class StepWeights:
                                            shape=p.shape, stride=p.stride())
                     pending.append((names, d.redistribute(mesh, p.placements).to_local()))
                     continue
+                parts: list = []
                 if how is EXPERTS:
                     t = funcol.all_to_all_single(torch.stack(grads), None, None,
                                                  self.once.ep_group).reshape(-1)
                 else:
                     W = mesh.size(how[0])
-                    parts = []
                     for g, d in zip(grads, map(_shard_dim, ps)):
                         parts.append(g.view(*g.shape[:d], W, g.shape[d] // W, *g.shape[d + 1:]).movedim(d, 0).reshape(W, -1))
                     t = funcol.reduce_scatter_single(torch.cat(parts, dim=1).reshape(-1), "sum", 0,

@@ -311,7 +311,7 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp):
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    pins = f"ep={4 // tp},dp={4 // tp},tp={tp},sp=0,fsdp=1,mb=2,ac=none,reshard={reshard}"
+    pins = f"ep={4 // tp},dp={4 // tp},tp={tp},sp=0,fsdp=1,mb=2,ac=none,reshard={reshard},once=microbatch"
     r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]

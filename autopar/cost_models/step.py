@@ -610,9 +610,13 @@ class StageModel:
                 working += n * c.working_param / ctx.act_bytes * ctx.reduce_bytes
 
         def flat(param_bytes: float) -> float:
-            """The flat reduce buffer of a bucket of ``param_bytes`` (compute dtype); none where the
-            gradients accumulate unsharded and are reduced in place (fsdp_once) or are not reduced."""
-            if cfg.dp == 1 or cfg.fsdp_once:
+            """The flat reduce buffer of a bucket of ``param_bytes`` (compute dtype); under
+            ``fsdp_once="gather"`` each gradient's cast to the reduce dtype before it is added into
+            the step's buffer (passes/accumulate.py); none where the gradients accumulate unsharded
+            and are reduced in place (fsdp_once="reduce") or are not reduced."""
+            if cfg.dp == 1 or cfg.fsdp_once == "reduce":
+                return 0.0
+            if cfg.fsdp_once == "gather" and ctx.reduce_bytes == ctx.act_bytes:
                 return 0.0
             return param_bytes / ctx.act_bytes * ctx.reduce_bytes
 
