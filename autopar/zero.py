@@ -2,12 +2,13 @@
 
 Under ``Plan.fsdp_once == "gather"`` the parameters stay sharded between steps (what the optimizer
 updates, what a checkpoint holds), but the step graphs read them whole (each rank's TP shard, in
-the compute dtype) and return their gradients unreduced (``distribute.Layout.once``). Around the
-step's microbatches the runtime then:
+the compute dtype) and add their gradients, unreduced, into buffers the runtime hands them
+(``distribute.Layout.once``, ``passes/accumulate.py``). Around the step's microbatches the
+runtime then:
 
 1. gathers every parameter once, before the first microbatch (all gathers issued, then waited);
-2. runs the microbatches (or the pipeline schedule) on those whole parameters, adding each
-   microbatch's gradients into one whole buffer per parameter in the reduce dtype;
+2. runs the microbatches (or the pipeline schedule) on those whole parameters, each backward
+   adding its gradients into one whole buffer per parameter in the reduce dtype;
 3. after the last one, reduces each buffer once to the parameter's shard (reduce-scatter over
    ``dp_shard``, all-reduce over ``dp_replicate``: the same reduction FSDP runs per microbatch)
    into ``param.grad``, in the parameter's dtype, and frees the whole parameters and buffers.
