@@ -455,7 +455,7 @@ def to_plan(ctx: CostContext, e: Estimate, world: int, *, pins: dict, runners_up
         model_name=m.name, model_fingerprint=m.fingerprint, world_size=world, hardware=ctx.hw.name,
         precision=ctx.precision, global_batch=ctx.global_batch, seq_len=m.seq_len, tp=cfg.tp,
         pp=cfg.pp, dp=cfg.dp, dp_shard=cfg.dp_shard if cfg.fsdp else 1, sp=cfg.sp, fsdp=cfg.fsdp,
-        reshard_after_forward=cfg.reshard and not cfg.fsdp_once, fsdp_prefetch=cfg.prefetch,
+        reshard_after_forward=cfg.reshard and cfg.fsdp_once != "gather", fsdp_prefetch=cfg.prefetch,
         fsdp_once=cfg.fsdp_once if cfg.fsdp else "", cp=cfg.cp, ep=cfg.ep, mb=cfg.mb, n_microbatches=ctx.global_batch // cfg.dp // cfg.mb,
         schedule=cfg.schedule if cfg.pp > 1 else "none", v=cfg.v, layers=tuple(layers),
         shard_rules=tuple(rules), predicted=_summary(ctx, e), collectives=tuple(e.collectives),
@@ -804,7 +804,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     if lay.once:  # each parameter whole (its TP shard), as the runtime gathers it (zero.py);
         # owned experts in their shards' shapes, holding what the runtime's all-to-all received
         owned = {i for idx, _ in lay.owned_experts(sg) for i in idx}
-        locals_ = [torch.empty(x.shape if i in owned else lay.tp_local_shape(i), dtype=zero.gathered_dtype(x, lay),
+        locals_ = [torch.empty(x.shape if i in owned else lay.tp_local_shape(i), dtype=zero.cast_dtype(x, lay.compute),
                                device=x.device) for i, x in enumerate(locals_)]
     example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers + inputs
     grad_index = grad_inputs(sg, example)
@@ -828,7 +828,8 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
         info.notes.update({prefix + k: v for k, v in ctx.notes.items()})
         info.timings.update({prefix + k: v for k, v in {**ctx.timings, "inductor": compiled.compile_s}.items()})
     n_args = len(params) + len(buffers) + len(inputs)
-    return StepRunner(compiled, list(sg.param_names), n_args, grad_index, grad_outputs(sg), [tuple(x.shape) for x in inputs])
+    return StepRunner(compiled, list(sg.param_names), n_args, grad_index, grad_outputs(sg), [tuple(x.shape) for x in inputs],
+                      accumulate=state.accumulate)
 
 
 def _collective_records(compiled, mesh) -> list[dict]:

@@ -11,7 +11,7 @@ import sys
 
 from autopar import __version__
 from autopar.errors import AutoparError
-from autopar.plan import PIN_KEYS, PRECISION_ALIASES, PRECISIONS, RUNS
+from autopar.plan import PIN_KEYS, PLANNED_KEYS, PRECISION_ALIASES, PRECISIONS
 
 
 def _hardware_names() -> list[str]:
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="plan a model and explain the plan")
     _common(ex)
     ex.add_argument("--pin", default=None, help="fix part of the plan, e.g. tp=8,pp=4,ac=full; keys: "
-                    + ", ".join(sorted(PIN_KEYS - {k for k, v in RUNS.items() if len(v) == 1}))
+                    + ", ".join(sorted(PLANNED_KEYS))
                     + "; once=gather: FSDP gathered once per step (ZeRO-1)")
     ex.add_argument("--top", type=int, default=3, help="runners-up to show")
     ex.add_argument("-o", "--output", default=None, help="save the plan JSON here")

@@ -338,7 +338,7 @@ def once_held(pm) -> dict:
 
     if pm._once is None:
         return {}
-    return zero.StepWeights(pm._named(pm._step_runner), pm._once).held()
+    return zero.StepWeights(pm._named(*pm._runners()), pm._once).held()
 
 
 def allocator_peaks(fn) -> tuple[float, float]:

@@ -29,6 +29,9 @@ ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters
                  "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward"}
 # The values of those keys that autopar's executor does run.
 RUNS = {"once": ("", "gather"), "unit": ("layer",), "dp_overlap": (True,)}
+# What the planner (``autopar explain --pin``) can be pinned to: the keys with a value it runs
+# beyond the default.
+PLANNED_KEYS = PIN_KEYS - {k for k, v in RUNS.items() if len(v) == 1}
 
 
 @dataclass(frozen=True)

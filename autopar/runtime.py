@@ -401,11 +401,11 @@ class _WeightGrads:
         with torch.no_grad():
             out = c.bw_weight(args)
             self.runner.busy_s += time.perf_counter() - t0
+            if self.once is not None:  # the graph added the gradients into the step's buffers
+                return
             out = _unshared(list(out) if isinstance(out, (list, tuple)) else [out])
             for i, g in zip(self.runner.grad_index, out):
                 p = self.params[i]
-                if self.once is not None:  # added into the step's buffer in the graph
-                    continue
                 if p.grad is None:
                     p.grad = _placed(g.clone(memory_format=torch.contiguous_format), self.metas[i])
                 else:
@@ -429,9 +429,12 @@ class StepRunner:
     ``grad_outputs``: the output positions gradients come back to."""
 
     def __init__(self, compiled, param_names: list[str], n_args: int, grad_index: list[int], grad_outputs: list[int],
-                 input_shapes: list):
+                 input_shapes: list, accumulate: list[int] | None = None):
         self.compiled, self.param_names, self.n_params, self.n_args = compiled, param_names, len(param_names), n_args
         self.once = None  # this step's parameters gathered once (zero.StepWeights), under fsdp_once
+        # fsdp_once: the backward outputs (positions in grad_index) it adds into the step's buffers
+        # instead of returning them (passes/accumulate.py), in the order it takes the buffers
+        self.accumulate = accumulate or []
         self.grad_index, self.grad_outputs, self.input_shapes = grad_index, set(grad_outputs), input_shapes
         self.pending: list[_WeightGrads] = []  # zero-bubble: weight gradients not yet run
         self.busy_s = 0.0  # time inside the compiled graphs (the bench's measured bubble)
@@ -522,8 +525,7 @@ class ParallelModule(nn.Module):
         self._tied = info.tied
         self._once = once  # FSDP once per step: how the parameters are gathered (zero.Once)
         if once is not None:
-            runners = [step_runner] if step_runner is not None else [r for _, r in self._stages.values()]
-            info.collectives["once per step"] = zero.StepWeights(self._named(*runners), once).records()
+            info.collectives["once per step"] = zero.StepWeights(self._named(*self._runners()), once).records()
         if mesh is not None and plan.dp > 1:
             self._dp_rank = mesh.get_local_rank("dp_replicate") * plan.dp_shard + mesh.get_local_rank("dp_shard")
             self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
@@ -564,6 +566,10 @@ class ParallelModule(nn.Module):
     def _live_params(self) -> list:
         """The step graph's parameters as registered now (the optimizer updates them in place)."""
         return [self.get_parameter(name) for name in self.info.param_names]
+
+    def _runners(self) -> list[StepRunner]:
+        """This rank's step graphs' runners: the step's, or its pipeline stages'."""
+        return [self._step_runner] if self._step_runner is not None else [r for _, r in self._stages.values()]
 
     def _named(self, *runners: StepRunner) -> dict:
         return {n: self.get_parameter(n) for r in runners for n in r.param_names}
@@ -654,7 +660,7 @@ class ParallelModule(nn.Module):
         else:
             params = self._live_params()
             total = torch.zeros((), dtype=torch.float32, device=tgt_l.device)
-            with self._once_per_step(self._step_runner):
+            with self._once_per_step(*self._runners()):
                 for i in range(M):
                     mb = slice(i * plan.mb, (i + 1) * plan.mb)
                     (loss,) = self._step_runner(params, self._buffer_list, [*(x[mb] for x in xs_l), tgt_l[mb]])
@@ -709,7 +715,7 @@ class ParallelModule(nn.Module):
         args = tuple(inputs) if 0 in self._stages else ()
         losses: list = []
         kwargs = {"target": target, "losses": losses} if n_stages - 1 in self._stages else {}
-        with self._once_per_step(*(runner for _, runner in self._stages.values())):
+        with self._once_per_step(*self._runners()):
             sched.step(*args, **kwargs)
         for name, group, _ in self._tied:  # each copy got the gradient of its own stage's uses
             g = self.get_parameter(name).grad

@@ -220,18 +220,17 @@ def enumerate_configs(ctx: CostContext, world: int, pins: dict) -> list[Config]:
                     for sp in ([False, True] if tp > 1 and m.seq_len % tp == 0 else [False]):
                         if "sp" in pins and sp != pins["sp"]:
                             continue
-                        fs_opts = [(False, 1, True)]
+                        fs_opts = [(False, 1, True, "")]  # (fsdp, shard degree, reshard, once)
                         if dp > 1:
                             # HSDP shard groups span whole nodes (or are all of dp).
                             gpn = ctx.hw.gpus_per_node
                             shards = [d for d in divisors(dp) if d > 1 and
                                       (d == dp or (d * tp) % gpn == 0 or pins.get("dp_shard") == d)]
-                            fs_opts += [(True, d, r) for d in shards for r in (True, False)]
+                            fs_opts += [(True, d, r, "") for d in shards for r in (True, False)]
                             # Several microbatches (or pinned): also gathered and reduced once per step (ZeRO-1).
                             if M > 1 or pins.get("once") == "gather":
                                 fs_opts += [(True, d, False, "gather") for d in shards]
-                        for fsdp, shard, reshard, *once in fs_opts:
-                            once = once[0] if once else ""
+                        for fsdp, shard, reshard, once in fs_opts:
                             if "fsdp" in pins and fsdp != pins["fsdp"]:
                                 continue
                             if "dp_shard" in pins and shard != pins["dp_shard"]:

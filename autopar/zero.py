@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
@@ -62,10 +63,10 @@ def plan_once(layout, graphs: list) -> Once | None:
     for sg in graphs:
         last = object()
         for name in sg.param_names:
-            layer = analysis.layer_index(name, sg.layers)
             if name in seen:
                 continue
             seen.add(name)
+            layer = analysis.layer_index(name, sg.layers)
             if out and layer == last:
                 out[-1].append(name)
             else:
@@ -75,11 +76,10 @@ def plan_once(layout, graphs: list) -> Once | None:
                 layout.ep.group_name if experts else "")
 
 
-def gathered_dtype(local: torch.Tensor, layout) -> torch.dtype:
-    """The dtype a parameter is gathered in: the compute dtype (mixed precision), else its own."""
-    if layout.compute is not None and local.is_floating_point():
-        return layout.compute
-    return local.dtype
+def cast_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter (or its gradient) travels in under mixed precision's ``dtype`` (the
+    compute or the reduce dtype; None: its own): ``dtype`` for floating-point values."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -135,6 +135,7 @@ class StepWeights:
         self.whole: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.queued = False
+        self.buckets = self._buckets()
 
     def _buckets(self) -> list[tuple[list[str], object]]:
         """(names, how) of each collective: how is ``_flat_shard``'s answer (a flat bucket), None
@@ -151,9 +152,6 @@ class StepWeights:
                 out += [([n], None) for n in same] if key[0] is None else [(same, key[0])]
         return out
 
-    def _dtype(self, p: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-        return dtype if dtype is not None and p.is_floating_point() else p.dtype
-
     def _replicas(self, p: DTensor) -> list[int]:
         return [i for i in _dp_dims(p) if isinstance(p.placements[i], Replicate)]
 
@@ -165,9 +163,9 @@ class StepWeights:
         assembles into its own experts' whole weights (``ep.assembled``)."""
         pending = []
         with torch.no_grad():
-            for names, how in self._buckets():
+            for names, how in self.buckets:
                 ps = [self.params[n] for n in names]
-                dtype = self._dtype(ps[0], self.once.compute)
+                dtype = cast_dtype(ps[0], self.once.compute)
                 if how is None:
                     (p,) = ps
                     whole = [Replicate() if i in _dp_dims(p) else pl for i, pl in enumerate(p.placements)]
@@ -198,18 +196,17 @@ class StepWeights:
         return self
 
     def accumulators(self, runner) -> list[torch.Tensor]:
-        """The buffers ``runner``'s backward adds its parameters' gradients into (in its gradient
-        order, ``passes/accumulate.py``), made (zeros, in the reduce dtype) at the step's first
+        """The buffers ``runner``'s backward adds its parameters' gradients into (in the order it
+        takes them: ``runner.accumulate``), made (zeros, in the reduce dtype) at the step's first
         backward."""
         out = []
-        for i in runner.grad_index:
-            if i < runner.n_params:
-                name = runner.param_names[i]
-                if name not in self.grads:
-                    p = self.params[name]
-                    self.grads[name] = torch.zeros(self.whole[name].shape, dtype=self._dtype(p, self.once.reduce),
-                                                   device=self.whole[name].device)
-                out.append(self.grads[name])
+        for j in runner.accumulate:
+            name = runner.param_names[runner.grad_index[j]]
+            if name not in self.grads:
+                p = self.params[name]
+                self.grads[name] = torch.zeros(self.whole[name].shape, dtype=cast_dtype(p, self.once.reduce),
+                                               device=self.whole[name].device)
+            out.append(self.grads[name])
         return out
 
     def queue_reduce(self) -> None:
@@ -226,7 +223,7 @@ class StepWeights:
         pending = []
         self.whole = {}  # the step's graphs are done with them
         with torch.no_grad():
-            for names, how in self._buckets():
+            for names, how in self.buckets:
                 names = [n for n in names if n in self.grads]
                 if not names:
                     continue
@@ -269,7 +266,6 @@ class StepWeights:
                                                     shape=p.shape, stride=p.stride())
                     else:
                         p.grad._local_tensor.add_(local)
-        self.whole = {}
         self.queued = False
 
     def _held_numel(self, names: list[str], how) -> int:
@@ -281,37 +277,36 @@ class StepWeights:
         """Bytes a step holds outside its graphs: the gathered parameters and their whole
         gradients (in the reduce dtype), by kind."""
         params = grads = 0
-        for names, how in self._buckets():
+        for names, how in self.buckets:
             p = self.params[names[0]]
             k = self._held_numel(names, how)
-            params += k * self._dtype(p, self.once.compute).itemsize
-            grads += k * self._dtype(p, self.once.reduce).itemsize if p.requires_grad else 0
+            params += k * cast_dtype(p, self.once.compute).itemsize
+            grads += k * cast_dtype(p, self.once.reduce).itemsize if p.requires_grad else 0
         return {"parameters gathered once per step": params, "whole gradients accumulated": grads}
 
     def records(self) -> list[dict]:
         """Each collective ``gather`` and ``reduce`` run, as ``passes.collective_record`` records
         a graph's (bytes and dtype of the result), for ``explain``."""
         out = []
-        for names, how in self._buckets():
+        for names, how in self.buckets:
             p = self.params[names[0]]
             mesh = p.device_mesh
             whole = self._held_numel(names, how)
             local = sum(self.params[n]._local_tensor.numel() for n in names)
-            gathered, reduced = self._dtype(p, self.once.compute), self._dtype(p, self.once.reduce)
+            gathered, reduced = cast_dtype(p, self.once.compute), cast_dtype(p, self.once.reduce)
             common = {"source": names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}", "module": ""}
 
             def rec(graph: str, kind: str, d, nbytes: int, dtype: torch.dtype, what: str) -> dict:
-                group = {"group": self.once.ep_group, "group_size": None, "dim": "ep"} if d is None else {
+                """``d``: the mesh dim of the collective's group; None: the ep group."""
+                group = {"group": self.once.ep_group, "dim": "ep", "group_size": _resolve_process_group(
+                    self.once.ep_group).size()} if d is None else {
                     "group": mesh.get_group(d).group_name, "group_size": mesh.size(d), "dim": mesh.mesh_dim_names[d]}
                 return {"graph": graph, "kind": kind, **group, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch."),
                         "pass": what, **common}
 
             if how is EXPERTS:
-                size = torch.distributed.distributed_c10d._resolve_process_group(self.once.ep_group).size()
-                out += [dict(rec("before the step", "all_to_all_single", None, local * gathered.itemsize, gathered, "ep"),
-                             group_size=size),
-                        dict(rec("after the step", "all_to_all_single", None, local * reduced.itemsize, reduced, "ep"),
-                             group_size=size)]
+                out += [rec("before the step", "all_to_all_single", None, local * gathered.itemsize, gathered, "ep"),
+                        rec("after the step", "all_to_all_single", None, local * reduced.itemsize, reduced, "ep")]
             else:
                 shard = [how[0]] if how else [i for i in _dp_dims(p) if not isinstance(p.placements[i], Replicate)]
                 for d in shard:

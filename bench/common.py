@@ -40,6 +40,12 @@ def run_depths(argv, world: int, run, finish) -> list[dict]:
     return rows
 
 
+def add_ratios(row: dict, ratios: dict) -> None:
+    """``row[name] = row[a] / row[b]`` for each ``name: (a, b)`` of ``ratios``."""
+    for name, (a, b) in ratios.items():
+        row[name] = row[a] / row[b]
+
+
 def worst_rank(per: list[dict]) -> dict:
     """Rank 0's row with every time (``_s``) and memory (``_mib``) the largest over the ranks."""
     row = dict(per[0])

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from autopar import traceable
-from bench.common import run_depths, write
+from bench.common import add_ratios, run_depths, write
 from bench.memory import fsdp2_model, measure_sides
 
 HIDDEN, FFN, EXPERTS, TOP_K, HEADS, VOCAB = 256, 512, 8, 2, 8, 512
@@ -122,14 +122,12 @@ def _ratios(row: dict, layers: int) -> None:
     row["routed_expert_gflop_per_token"] = expert_flops_per_token(layers) / 1e9
     with dense_form():
         row["dense_expert_gflop_per_token"] = expert_flops_per_token(layers) / 1e9
-    row["time_routed_over_dense"] = row["routed_s"] / row["dense_s"]
-    row["time_ep_over_routed"] = row["ep_s"] / row["routed_s"]
-    row["time_ep_over_dense"] = row["ep_s"] / row["dense_s"]
-    row["alloc_ep_over_routed"] = row["ep_alloc_mib"] / row["routed_alloc_mib"]
-    row["time_routed_over_fsdp2"] = row["routed_s"] / row["fsdp2_s"]
-    row["alloc_routed_over_dense"] = row["routed_alloc_mib"] / row["dense_alloc_mib"]
-    row["alloc_routed_over_fsdp2"] = row["routed_alloc_mib"] / row["fsdp2_alloc_mib"]
-    row["flops_routed_over_dense"] = row["routed_expert_gflop_per_token"] / row["dense_expert_gflop_per_token"]
+    add_ratios(row, {
+        "time_routed_over_dense": ("routed_s", "dense_s"), "time_ep_over_routed": ("ep_s", "routed_s"),
+        "time_ep_over_dense": ("ep_s", "dense_s"), "alloc_ep_over_routed": ("ep_alloc_mib", "routed_alloc_mib"),
+        "time_routed_over_fsdp2": ("routed_s", "fsdp2_s"), "alloc_routed_over_dense": ("routed_alloc_mib", "dense_alloc_mib"),
+        "alloc_routed_over_fsdp2": ("routed_alloc_mib", "fsdp2_alloc_mib"),
+        "flops_routed_over_dense": ("routed_expert_gflop_per_token", "dense_expert_gflop_per_token")})
 
 
 def main(argv=None) -> int:

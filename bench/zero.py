@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.common import run_depths, write
+from bench.common import add_ratios, run_depths, write
 from bench.memory import measure_sides
 
 HIDDEN, FFN, HEADS, VOCAB = 512, 2048, 8, 512
@@ -123,16 +123,14 @@ def _run(layers: int, steps: int) -> dict:
     return out
 
 
-def _ratios(row: dict, _layers: int) -> None:
-    row["time_once_over_fsdp2_once"] = row["once_s"] / row["fsdp2_once_s"]
-    row["alloc_once_over_fsdp2_once"] = row["once_alloc_mib"] / row["fsdp2_once_alloc_mib"]
-    row["time_once_over_fsdp"] = row["once_s"] / row["fsdp_s"]
-    row["alloc_once_over_fsdp"] = row["once_alloc_mib"] / row["fsdp_alloc_mib"]
-    row["liveness_once_over_pred"] = row["once_liveness_mib"] / row["once_pred_step_mib"]
+RATIOS = {"time_once_over_fsdp2_once": ("once_s", "fsdp2_once_s"),
+          "alloc_once_over_fsdp2_once": ("once_alloc_mib", "fsdp2_once_alloc_mib"),
+          "time_once_over_fsdp": ("once_s", "fsdp_s"), "alloc_once_over_fsdp": ("once_alloc_mib", "fsdp_alloc_mib"),
+          "liveness_once_over_pred": ("once_liveness_mib", "once_pred_step_mib")}
 
 
 def main(argv=None) -> int:
-    rows = run_depths(argv, WORLD, _run, _ratios)
+    rows = run_depths(argv, WORLD, _run, lambda row, _: add_ratios(row, RATIOS))
     summary = {"model": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, fp32",
                "batch": f"{BATCH} x {SEQ} tokens global: {M} microbatches of one sequence per rank, {WORLD} gloo processes",
                "sides": "autopar once=gather (ZeRO-1); autopar FSDP per microbatch; FSDP2 gathered once and reduced once "

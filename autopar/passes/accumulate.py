@@ -42,14 +42,17 @@ def accumulate(graphs, plan, ctx):
     for name in names:
         gm = getattr(graphs, name)
         if gm is not None:
-            into_accumulators(gm, positions, reduce)
+            done = into_accumulators(gm, positions, reduce)
+    ctx.step.accumulate = done  # the runtime hands the graph a buffer for each of these
     return graphs
 
 
-def into_accumulators(gm: torch.fx.GraphModule, positions: list[int], reduce: torch.dtype | None) -> None:
-    """In place: output ``j`` of ``gm`` (for ``j`` in ``positions``) added into a new input
-    (after the others, in ``positions`` order) in dtype ``reduce`` (None: the gradient's own),
-    and returned as None."""
+def into_accumulators(gm: torch.fx.GraphModule, positions: list[int], reduce: torch.dtype | None) -> list[int]:
+    """In place: output ``j`` of ``gm`` (for ``j`` in ``positions`` where it is not None) added
+    into a new input (after the others, in ``positions`` order) in ``reduce`` dtype
+    (``zero.cast_dtype``), and returned as None. Returns the positions done."""
+    from autopar.zero import cast_dtype
+
     g = gm.graph
     out = g.output_node()
     vals = list(out.args[0])
@@ -60,7 +63,7 @@ def into_accumulators(gm: torch.fx.GraphModule, positions: list[int], reduce: to
         if src is None:
             continue
         val = src.meta["val"]
-        dtype = reduce if reduce is not None and val.is_floating_point() else val.dtype
+        dtype = cast_dtype(val, reduce)
         with g.inserting_after(last):
             last = accs[j] = g.placeholder(f"acc_{j}")
         with val.fake_mode:
@@ -84,3 +87,4 @@ def into_accumulators(gm: torch.fx.GraphModule, positions: list[int], reduce: to
     out.args = (type(out.args[0])(vals),)
     g.lint()
     gm.recompile()
+    return list(accs)
