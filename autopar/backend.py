@@ -80,24 +80,52 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
         boxed.graph.set_codegen(_BoxedCodeGen())
         boxed.recompile()
         return boxed
-    vals = _example(gm)
-    # The graphs are partitioned already (passes/ac.py decided what the backward recomputes):
-    # AOTAutograd's forward-loss-backward rematerialisation must not look for backward regions
-    # in them (with MoE blocks under TP and selective AC it found several in the forward graph
-    # and refused to compile: "disjoint backward regions that require recomputation").
     # Inductor's peak-memory reordering is off: the graph's order (gathers at use, prefetch, the
     # reductions' waits: passes/overlap.py) is the schedule that runs and that memory.py prices.
     # A graph that calls layer subgraphs (passes/regions.py) is compiled without mix-order
-    # reductions: ``standalone_compile`` autotunes at compile time, and the tuning block it writes
-    # for the whole graph does not allocate the workspace such a kernel inside a subgraph needs
-    # (torch 2.11 on an H200: "Failed to run autotuning code block: name 'workspace_0' is not
-    # defined", RMSNorm's backward at 4 x 2048 tokens).
+    # reductions: Inductor autotunes at compile time, and the tuning block it writes for the whole
+    # graph does not allocate the workspace such a kernel inside a subgraph needs (torch 2.11 on
+    # an H200: "Failed to run autotuning code block: name 'workspace_0' is not defined",
+    # RMSNorm's backward at 4 x 2048 tokens).
     calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     inductor_cfg = {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
-    with torch.no_grad(), torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), \
-            torch._inductor.config.patch(inductor_cfg), batched_cpp_kernels():
-        art = torch._inductor.standalone_compile(gm, vals, dynamic_shapes="from_example_inputs", **_fake_mode_kw(vals))
-    return _boxed(art)
+    with torch.no_grad(), torch._inductor.config.patch(inductor_cfg), batched_cpp_kernels():
+        return _inductor(gm, _example(gm))
+
+
+def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:
+    """Inductor's compilation of a graph that is already what AOTAutograd would hand it: ATen
+    operations, functional (the distribute pass functionalised it), forward and backward apart
+    (the partition pass), the parameters among the inputs. So it goes straight to Inductor's
+    graph compiler (what ``torch.compile`` calls for an inference graph: its joint- and post-grad
+    passes, lowering, code generation, its FX graph cache, from which ranks with the same graph
+    load what the first compiled) after one trace that applies Inductor's decompositions, instead
+    of through ``standalone_compile``, whose AOTAutograd front end traces the whole step twice
+    more (a quarter of a 32-layer model's compile time). The trace runs in a tracing context,
+    where each layer subgraph is traced once for all its calls. The result is boxed: Inductor's
+    code takes the list of inputs and empties it."""
+    import inspect
+
+    import torch.fx.traceback as fx_traceback
+    from torch._inductor import compile_fx as cfx
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake = _fake_mode(vals)
+    ctx = torch._guards.TracingContext(fake)
+
+    def run(*args):
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with fake, torch._guards.tracing(ctx), fx_traceback.preserve_node_meta():
+        gm = make_fx(run, decomposition_table=select_decomp_table(), tracing_mode="fake")(*vals)
+    n_out = len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+    # (its argument is the graph in torch 2.13, Inductor's config module before)
+    takes_gm = next(iter(inspect.signature(cfx.create_compiler_config_extra).parameters)) == "gm"
+    extra = cfx.create_compiler_config_extra(gm if takes_gm else torch._inductor.config)
+    with torch._guards.tracing(ctx):
+        return cfx.compile_fx_forward(gm, vals, num_orig_model_outputs=n_out, num_example_inputs=len(vals),
+                                      compiler_config_extra=extra, is_inference=True)
 
 
 def _static_stride(v) -> tuple | None:
@@ -106,48 +134,6 @@ def _static_stride(v) -> tuple | None:
         return None
     st = tuple(v.stride())
     return st if all(isinstance(x, int) for x in st) else None
-
-
-def _fake_mode_kw(vals) -> dict:
-    """``standalone_compile``'s ``fake_mode`` argument, where this torch has it (2.13 does; the
-    2.11 that GPU images carry does not, and infers the mode from the inputs)."""
-    import inspect
-
-    if "fake_mode" in inspect.signature(torch._inductor.standalone_compile).parameters:
-        return {"fake_mode": _fake_mode(vals)}
-    return {}
-
-
-def _boxed(art) -> Callable:
-    """The boxed function inside a ``standalone_compile`` artifact: AOTAutograd's compiled
-    function, which takes a list and steals its items (the artifact's own ``__call__`` and the
-    wrappers above it take ``*args``, which would keep every input alive to the end). The
-    constants AOTAutograd lifted out of the graph (its ``params_buffers_flat``) go first."""
-    import inspect
-
-    fn, lifted = getattr(art, "_compiled_fn", None), None
-    while fn is not None:
-        if inspect.isfunction(fn) and lifted is None:
-            lifted = inspect.getclosurevars(fn).nonlocals.get("params_buffers_flat")
-        if type(fn).__name__ == "SerializableCompiledFunction" or getattr(fn, "__name__", "") == "runtime_wrapper":
-            if lifted is None:
-                break  # not the layout this was written against: use the artifact as it is
-            inner, prefix = fn, list(lifted)
-
-            def call(args: list):
-                args[:0] = prefix
-                return inner(args)
-
-            return call
-        fn = getattr(fn, "__wrapped__", None)
-    log.info("backend: no boxed entry in the compiled artifact; inputs are held until it returns")
-
-    def unboxed(args: list):
-        items = list(args)
-        args.clear()
-        return art(*items)
-
-    return unboxed
 
 
 class _Progress:

@@ -21,6 +21,7 @@ instead (``passes/coords.py``): the TP ranks' graphs are the same and compile on
 from __future__ import annotations
 
 import contextlib
+import operator
 import functools
 from dataclasses import dataclass, field
 
@@ -602,15 +603,27 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                 for i in float_out]
     with fx_traceback.preserve_node_meta(), coords.rank_free():
         traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
+    if not _mutates(traced):
+        return traced
 
     # Functionalise (the forward may mutate fresh tensors, e.g. add_ on an arange) for the
     # partitioner; an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
+    # (A second trace of the whole step: only where there is something to functionalise.)
     def fn(primals, tangents):
         return torch.fx.Interpreter(traced).run(*primals, *tangents)
 
     with fx_traceback.preserve_node_meta():
         return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
                        _allow_non_fake_inputs=True)(example, tangents)
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    """Whether any operation of ``gm`` writes into one of its arguments (``add_``, ``copy_``, an
+    ``out=`` variant): the graph is functional already when none does."""
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes) or any(
+        n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem
+        for n in gm.graph.nodes)
 
 
 def grad_inputs(sg, example: list) -> list[int]:
