@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import sympy
 
 from autopar.cut import BlockTrace, ModelTrace
-from autopar.fxops import VIEW_OPS, node_flops, op_name, tensor_bytes
+from autopar.fxops import VIEW_OPS, node_flops, op_name, out_of_place, tensor_bytes
 from autopar.roles import find_roles
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "grouped_mm", "grouped_mm_wgrad"}
@@ -648,7 +648,7 @@ def _block_joint(bt: BlockTrace) -> tuple[torch.fx.GraphModule, int]:
             if n.op == "get_attr":
                 env[n] = getattr(gm, n.target)
                 continue
-            target = _out_of_place(n.target)
+            target = out_of_place(n.target)
             with fx_traceback.annotate({"source": n.name}):
                 env[n] = target(*torch.fx.node.map_arg(n.args, env.__getitem__),
                                 **torch.fx.node.map_arg(n.kwargs, env.__getitem__))
@@ -698,16 +698,6 @@ def _partition_saved(j: torch.fx.GraphModule, n_outs: int, batch: int, tp_nodes:
             seen[key] = (v.untyped_storage().nbytes(), "whole" if key in rows else "tp" if src in tp_nodes else "rep")
     by = {k: sum(b for b, c in seen.values() if c == k) / batch for k in ("tp", "rep", "whole")}
     return by["tp"], by["rep"] + hidden_bytes, by["whole"]
-
-
-def _out_of_place(target):
-    """An in-place aten op's out-of-place form (``add_.Scalar`` -> ``add.Scalar``), as AOTAutograd's
-    functionalized joint has it: the partitioner keeps an in-place op in the forward."""
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
-        return target
-    name = target._schema.name.split("::")[-1]
-    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
-    return getattr(packet, target._overloadname, target) if packet is not None else target
 
 
 def _outer(trace: ModelTrace, segment: str, vocab: int, batch: int) -> OuterProfile:

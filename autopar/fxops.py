@@ -101,6 +101,41 @@ def is_view(target) -> bool:
         len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
 
 
+def out_of_place(target):
+    """An in-place ATen operation's out-of-place form (``add_.Tensor`` -> ``add.Tensor``); any
+    other target as it is."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return target
+    name = target._schema.name.split("::")[-1]
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    return getattr(packet, target._overloadname, target) if packet is not None else target
+
+
+def unaliased_in_place(gm: torch.fx.GraphModule) -> dict:
+    """The in-place operations of ``gm`` that can run out of place with the same results: each
+    writes a tensor the graph made itself (not an input, not a constant) that no other value
+    aliases (no view of it, it no view of another), apart from the in-place operations on it.
+    Such a write only changes what later readers see: running it out of place and handing its
+    result to them is the same computation (what functionalisation does, without a trace).
+    Returns {node: its out-of-place target}."""
+    by_storage: dict = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            by_storage.setdefault(StorageWeakRef(v.untyped_storage()), []).append(n)
+    found = {n: out_of_place(n.target) for n in gm.graph.nodes
+             if n.op == "call_function" and out_of_place(n.target) is not n.target}
+    safe = {}
+    for n, op in found.items():
+        a = n.args[0] if n.args else None
+        if not (isinstance(a, torch.fx.Node) and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)):
+            continue
+        sharers = by_storage.get(StorageWeakRef(a.meta["val"].untyped_storage()), [])
+        if all(m is a or (m in found and m.args[0] in (a, *found)) for m in sharers):
+            safe[n] = op
+    return safe
+
+
 def first_by_storage(nodes) -> dict:
     """Storage -> the name of the first of ``nodes`` whose value lives in it."""
     out: dict = {}

@@ -21,8 +21,8 @@ instead (``passes/coords.py``): the TP ranks' graphs are the same and compile on
 from __future__ import annotations
 
 import contextlib
-import operator
 import functools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
 from autopar.errors import AutoparError
-from autopar.fxops import ATTENTION_OPS, SPLIT_OPS
+from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, unaliased_in_place
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes import ep as ep_pass
@@ -382,6 +382,9 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     split_seq = am is not None and am.has("cp")
     expert_blocks = ep_pass.blocks(gm) if ep is not None else {}
     owned: dict = {}  # a grouped linear's weights -> this rank's experts' whole weights
+    # Writes into a tensor nothing else aliases run out of place, their readers after them
+    # reading the result: the joint graph is then functional without a second trace.
+    in_place = unaliased_in_place(gm)
 
     def to_tp(x, p):
         if not isinstance(x, DTensor):
@@ -479,12 +482,15 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                 # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
                 out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
             if out is None:
+                target = in_place.get(n, n.target)
                 try:
-                    out = n.target(*args, **kwargs)
+                    out = target(*args, **kwargs)
                 except NotImplementedError as e:
                     if am is None or "sharding strategy" not in str(e):
                         raise
-                    out = _on_whole_values(n.target, args, kwargs, am)
+                    out = _on_whole_values(target, args, kwargs, am)
+                if n in in_place:
+                    env[n.args[0]] = out
             if rules is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
                 if n in rules.to_residual:
                     out = to_tp(out, act)
