@@ -4,8 +4,9 @@ and compile each (``compile_step``, after the passes).
 The partition is functorch's min-cut partitioner (what ``torch.compile`` uses): it decides what
 the forward saves for the backward, honours the recompute tags of ``passes/ac.py``, and returns
 ``fw: primals -> (*outputs, *saved)`` and ``bw: (*saved, *tangents) -> gradients``. Inductor
-compiles each graph whole (``torch._inductor.standalone_compile``, the one call into it; on CPU
-its C++ kernels are built a library per compile worker, ``cpp_kernels.py``); with
+compiles each graph whole (``_inductor``, the one call into it: its graph compiler, without
+AOTAutograd's front end; on CPU its C++ kernels are built a library per compile worker,
+``cpp_kernels.py``); with
 ``compile=False`` the very same graphs run eagerly, so the debug path and the default path differ
 only in code generation.
 """

@@ -67,8 +67,8 @@ _UNSEEDED: dict = {}
 def unseeded(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     """``op`` as an ``autopar::`` operator with the same schema and kernel but without the
     ``nondeterministic_seeded`` tag, for a call that draws nothing (attention with no dropout):
-    the min-cut partitioner then recomputes it like any other op instead of threading the RNG
-    state from forward to backward (which Inductor's standalone compile cannot trace)."""
+    the min-cut partitioner then recomputes it like any other op instead of threading an RNG
+    state from forward to backward for a call that draws nothing."""
     if op not in _UNSEEDED:
         if not _LIB:
             _LIB.append(torch.library.Library("autopar", "FRAGMENT"))
