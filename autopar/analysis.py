@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import sympy
 
 from autopar.cut import BlockTrace, ModelTrace
-from autopar.fxops import VIEW_OPS, node_flops, op_name, out_of_place, tensor_bytes
+from autopar.fxops import VIEW_OPS, node_flops, op_name, out_of_place_op, tensor_bytes
 from autopar.roles import find_roles
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "grouped_mm", "grouped_mm_wgrad"}
@@ -648,7 +648,7 @@ def _block_joint(bt: BlockTrace) -> tuple[torch.fx.GraphModule, int]:
             if n.op == "get_attr":
                 env[n] = getattr(gm, n.target)
                 continue
-            target = out_of_place(n.target)
+            target = out_of_place_op(n.target)
             with fx_traceback.annotate({"source": n.name}):
                 env[n] = target(*torch.fx.node.map_arg(n.args, env.__getitem__),
                                 **torch.fx.node.map_arg(n.kwargs, env.__getitem__))

@@ -3,6 +3,7 @@ agree on, per-node FLOPs and bytes, and which parameters a model registers under
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -101,7 +102,7 @@ def is_view(target) -> bool:
         len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
 
 
-def out_of_place(target):
+def out_of_place_op(target):
     """An in-place ATen operation's out-of-place form (``add_.Tensor`` -> ``add.Tensor``); any
     other target as it is."""
     if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
@@ -111,20 +112,22 @@ def out_of_place(target):
     return getattr(packet, target._overloadname, target) if packet is not None else target
 
 
-def unaliased_in_place(gm: torch.fx.GraphModule) -> dict:
-    """The in-place operations of ``gm`` that can run out of place with the same results: each
-    writes a tensor the graph made itself (not an input, not a constant) that no other value
-    aliases (no view of it, it no view of another), apart from the in-place operations on it.
-    Such a write only changes what later readers see: running it out of place and handing its
-    result to them is the same computation (what functionalisation does, without a trace).
-    Returns {node: its out-of-place target}."""
+def out_of_place(gm: torch.fx.GraphModule) -> None:
+    """Rewrite, in ``gm``, each in-place operation whose write only later readers can see as its
+    out-of-place form, those readers reading its result (what functionalisation does, without
+    tracing the graph again): it writes a tensor the graph made itself (not an input, not a
+    constant) that no other value aliases (no view of it, it no view of another), apart from
+    the in-place operations on it. Each rewritten node gets a value of its own (its storage no
+    longer the written tensor's). Other in-place operations stay."""
+    from torch._guards import detect_fake_mode
+
     by_storage: dict = {}
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor):
             by_storage.setdefault(StorageWeakRef(v.untyped_storage()), []).append(n)
-    found = {n: out_of_place(n.target) for n in gm.graph.nodes
-             if n.op == "call_function" and out_of_place(n.target) is not n.target}
+    found = {n: out_of_place_op(n.target) for n in gm.graph.nodes
+             if n.op == "call_function" and out_of_place_op(n.target) is not n.target}
     safe = {}
     for n, op in found.items():
         a = n.args[0] if n.args else None
@@ -133,7 +136,19 @@ def unaliased_in_place(gm: torch.fx.GraphModule) -> dict:
         sharers = by_storage.get(StorageWeakRef(a.meta["val"].untyped_storage()), [])
         if all(m is a or (m in found and m.args[0] in (a, *found)) for m in sharers):
             safe[n] = op
-    return safe
+    if not safe:
+        return
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mode = detect_fake_mode([n.meta["val"] for n in safe])
+    for n, op in safe.items():  # in graph order: a second write on the same tensor reads the first's result
+        a, v = n.args[0], n.meta["val"]
+        n.target = op
+        for u in list(a.users):
+            if u is not n and order[u] > order[n]:
+                u.replace_input_with(a, n)
+        with mode if mode is not None else contextlib.nullcontext():
+            n.meta["val"] = v.new_empty_strided(v.shape, v.stride())
+    gm.recompile()
 
 
 def first_by_storage(nodes) -> dict:

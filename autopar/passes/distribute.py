@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
 from autopar.errors import AutoparError
-from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, unaliased_in_place
+from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, out_of_place
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes import ep as ep_pass
@@ -382,9 +382,6 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     split_seq = am is not None and am.has("cp")
     expert_blocks = ep_pass.blocks(gm) if ep is not None else {}
     owned: dict = {}  # a grouped linear's weights -> this rank's experts' whole weights
-    # Writes into a tensor nothing else aliases run out of place, their readers after them
-    # reading the result: the joint graph is then functional without a second trace.
-    in_place = unaliased_in_place(gm)
 
     def to_tp(x, p):
         if not isinstance(x, DTensor):
@@ -482,15 +479,12 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                 # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
                 out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
             if out is None:
-                target = in_place.get(n, n.target)
                 try:
-                    out = target(*args, **kwargs)
+                    out = n.target(*args, **kwargs)
                 except NotImplementedError as e:
                     if am is None or "sharding strategy" not in str(e):
                         raise
-                    out = _on_whole_values(target, args, kwargs, am)
-                if n in in_place:
-                    env[n.args[0]] = out
+                    out = _on_whole_values(n.target, args, kwargs, am)
             if rules is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
                 if n in rules.to_residual:
                     out = to_tp(out, act)
@@ -609,12 +603,14 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                 for i in float_out]
     with fx_traceback.preserve_node_meta(), coords.rank_free():
         traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
+    # The partitioner takes a functional graph. A write into a tensor nothing else aliases (the
+    # model's add_ on a fresh arange, an index_put_ into fresh zeros) is rewritten out of place;
+    # what is left (a write through a view) needs functionalisation: a second trace of the whole
+    # step, where an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
+    out_of_place(traced)
     if not _mutates(traced):
         return traced
 
-    # Functionalise (the forward may mutate fresh tensors, e.g. add_ on an arange) for the
-    # partitioner; an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
-    # (A second trace of the whole step: only where there is something to functionalise.)
     def fn(primals, tangents):
         return torch.fx.Interpreter(traced).run(*primals, *tangents)
 
