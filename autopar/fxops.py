@@ -128,24 +128,27 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
             by_storage.setdefault(StorageWeakRef(v.untyped_storage()), []).append(n)
     found = {n: out_of_place_op(n.target) for n in gm.graph.nodes
              if n.op == "call_function" and out_of_place_op(n.target) is not n.target}
-    safe = {}
+    safe = {}  # write -> (its out-of-place target, what it writes: the tensor and the writes before)
     for n, op in found.items():
-        a = n.args[0] if n.args else None
-        if not (isinstance(a, torch.fx.Node) and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)):
-            continue
-        sharers = by_storage.get(StorageWeakRef(a.meta["val"].untyped_storage()), [])
-        if all(m is a or (m in found and m.args[0] in (a, *found)) for m in sharers):
-            safe[n] = op
+        root = n
+        while root in found and root.args and isinstance(root.args[0], torch.fx.Node):
+            root = root.args[0]
+        if root in found or root.op != "call_function" or not isinstance(root.meta.get("val"), torch.Tensor):
+            continue  # an input, a constant
+        sharers = by_storage.get(StorageWeakRef(root.meta["val"].untyped_storage()), [])
+        if all(m is root or m in found for m in sharers):
+            safe[n] = (op, [m for m in sharers if m is not n])
     if not safe:
         return
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     mode = detect_fake_mode([n.meta["val"] for n in safe])
-    for n, op in safe.items():  # in graph order: a second write on the same tensor reads the first's result
-        a, v = n.args[0], n.meta["val"]
+    for n, (op, same) in safe.items():  # in graph order: a later write reads an earlier one's result
+        v = n.meta["val"]
         n.target = op
-        for u in list(a.users):
-            if u is not n and order[u] > order[n]:
-                u.replace_input_with(a, n)
+        for m in same:
+            for u in list(m.users):
+                if u is not n and order[u] > order[n]:
+                    u.replace_input_with(m, n)
         with mode if mode is not None else contextlib.nullcontext():
             n.meta["val"] = v.new_empty_strided(v.shape, v.stride())
     gm.recompile()

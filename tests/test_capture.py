@@ -144,3 +144,41 @@ def test_a_key_value_cache_built_in_training_is_the_same_step():
         ref = float(capture.default_loss(m(ids), ids))
     pm = autopar.compile(m, 1, example_inputs=(ids,), example_target=ids)
     assert float(pm.step(ids, target=ids)) == pytest.approx(ref, abs=1e-5)
+
+
+def test_unaliased_writes_run_out_of_place_and_writes_through_views_stay():
+    """The joint graph is made functional without a second trace where a write only changes what
+    later readers see (``fxops.out_of_place``): the rewritten graph computes the same values. A
+    write through a view (its base read afterwards) is left for functionalisation."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.fxops import out_of_place
+
+    def fresh(x, y):
+        z = torch.zeros(4, 3) + x  # made in the graph, no view of it
+        before = z * 2  # reads the old value
+        z.add_(y)
+        z.mul_(3)  # a second write on the same tensor
+        return before, z + 1
+
+    def through_view(x, y):
+        z = torch.zeros(4, 3) + x
+        z[:2].add_(y[:2])  # writes the base through a slice
+        return z * 2
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+
+    def mutable(gm):
+        return [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable]
+
+    gm = make_fx(fresh, tracing_mode="fake")(x, y)
+    assert mutable(gm), "the traced graph should hold the writes"
+    out_of_place(gm)
+    assert not mutable(gm)
+    for got, want in zip(gm(x, y), fresh(x, y)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    gm = make_fx(through_view, tracing_mode="fake")(x, y)
+    out_of_place(gm)
+    assert mutable(gm) == [torch.ops.aten.add_.Tensor]
+    torch.testing.assert_close(gm(x, y), through_view(x, y), rtol=0, atol=0)
