@@ -84,10 +84,10 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     # Inductor's peak-memory reordering is off: the graph's order (gathers at use, prefetch, the
     # reductions' waits: passes/overlap.py) is the schedule that runs and that memory.py prices.
     # A graph that calls layer subgraphs (passes/regions.py) is compiled without mix-order
-    # reductions: Inductor autotunes at compile time, and the tuning block it writes for the whole
-    # graph does not allocate the workspace such a kernel inside a subgraph needs (torch 2.11 on
-    # an H200: "Failed to run autotuning code block: name 'workspace_0' is not defined",
-    # RMSNorm's backward at 4 x 2048 tokens).
+    # reductions: where Inductor autotunes at compile time (``triton.autotune_at_compile_time``),
+    # the tuning block it writes for the whole graph does not allocate the workspace such a kernel
+    # inside a subgraph needs (torch 2.11 on an H200: "Failed to run autotuning code block: name
+    # 'workspace_0' is not defined", RMSNorm's backward at 4 x 2048 tokens).
     calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     inductor_cfg = {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
     with torch.no_grad(), torch._inductor.config.patch(inductor_cfg), batched_cpp_kernels():
@@ -96,7 +96,9 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
 
 def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:
     """Inductor's compilation of a graph that is already what AOTAutograd would hand it: ATen
-    operations, functional (the distribute pass functionalised it), forward and backward apart
+    operations, functional (the distribute pass made it so; the accumulate pass's additions into
+    the step's gradient buffers are the one in-place operation, which Inductor runs in place: the
+    buffers are inputs), forward and backward apart
     (the partition pass), the parameters among the inputs. So it goes straight to Inductor's
     graph compiler (what ``torch.compile`` calls for an inference graph: its joint- and post-grad
     passes, lowering, code generation, its FX graph cache, from which ranks with the same graph
