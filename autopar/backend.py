@@ -104,7 +104,7 @@ def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:
     passes, lowering, code generation, its FX graph cache, from which ranks with the same graph
     load what the first compiled) after one trace that applies Inductor's decompositions, instead
     of through ``standalone_compile``, whose AOTAutograd front end traces the whole step twice
-    more (a quarter of a 32-layer model's compile time). The trace runs in a tracing context,
+    more (HF Llama, 32 layers: Inductor's part of the compile 40 -> 30 s). The trace runs in a tracing context,
     where each layer subgraph is traced once for all its calls. The result is boxed: Inductor's
     code takes the list of inputs and empties it."""
     import inspect

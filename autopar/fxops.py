@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -126,8 +127,8 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor):
             by_storage.setdefault(StorageWeakRef(v.untyped_storage()), []).append(n)
-    found = {n: out_of_place_op(n.target) for n in gm.graph.nodes
-             if n.op == "call_function" and out_of_place_op(n.target) is not n.target}
+    ops = {n: out_of_place_op(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    found = {n: op for n, op in ops.items() if op is not n.target}
     safe = {}  # write -> (its out-of-place target, what it writes: the tensor and the writes before)
     for n, op in found.items():
         root = n
@@ -152,6 +153,14 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
         with mode if mode is not None else contextlib.nullcontext():
             n.meta["val"] = v.new_empty_strided(v.shape, v.stride())
     gm.recompile()
+
+
+def mutates(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` may write into a value: an ATen operation that mutates an argument
+    (``add_``, ``copy_``, an ``out=`` variant), or any call that is not an ATen operation (a
+    higher-order operator's body is not looked into). False: the graph is functional."""
+    return any(n.op == "call_function" and n.target is not operator.getitem and (
+        not isinstance(n.target, torch._ops.OpOverload) or n.target._schema.is_mutable) for n in gm.graph.nodes)
 
 
 def first_by_storage(nodes) -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
 from autopar.errors import AutoparError
-from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, out_of_place
+from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, mutates, out_of_place
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes import ep as ep_pass
@@ -608,7 +607,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     # what is left (a write through a view) needs functionalisation: a second trace of the whole
     # step, where an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
     out_of_place(traced)
-    if not _mutates(traced):
+    if not mutates(traced):
         return traced
 
     def fn(primals, tangents):
@@ -617,15 +616,6 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     with fx_traceback.preserve_node_meta():
         return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
                        _allow_non_fake_inputs=True)(example, tangents)
-
-
-def _mutates(gm: torch.fx.GraphModule) -> bool:
-    """Whether any operation of ``gm`` writes into one of its arguments (``add_``, ``copy_``, an
-    ``out=`` variant): the graph is functional already when none does."""
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
-               for n in gm.graph.nodes) or any(
-        n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem
-        for n in gm.graph.nodes)
 
 
 def grad_inputs(sg, example: list) -> list[int]:
