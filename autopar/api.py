@@ -179,18 +179,10 @@ def _step_profile_key(step: capture.StepGraph, model: nn.Module, **shapes) -> st
     node of the step graph with its annotations and its values' shapes, the step's bookkeeping,
     the module tree's classes and parameter shapes), the shapes, torch and the analysis code. The
     same model traced again (another rank, another plan, the next run) is analysed once."""
+    from autopar.passes.shared import step_digest
+
     h = hashlib.sha256(repr(sorted(shapes.items())).encode() + torch.__version__.encode() + _analysis_code())
-
-    def sig(v):
-        if isinstance(v, torch.Tensor):
-            return (tuple(map(str, v.shape)), tuple(map(str, v.stride())), str(v.dtype), v.requires_grad)
-        return str(v) if isinstance(v, (torch.SymInt, torch.SymFloat, int, float, bool)) else type(v).__name__
-
-    for n in step.gm.graph.nodes:
-        vals = [sig(v) for v in torch.utils._pytree.tree_leaves(n.meta.get("val"))]
-        h.update(repr((n.op, n.name, str(n.target), n.args, n.kwargs, n.meta.get("custom"), n.meta.get("trained"),
-                       vals)).encode())
-    h.update(repr([getattr(step, f.name) for f in dataclasses.fields(step) if f.name != "gm"]).encode())
+    step_digest(h, step)
     for name, m in model.named_modules(remove_duplicate=False):
         h.update(repr((name, type(m).__module__, type(m).__qualname__, getattr(m, "num_embeddings", None),
                        [(pn, tuple(q.shape), str(q.dtype), q.requires_grad)
@@ -794,9 +786,10 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     (``inputs``: its example inputs after the parameters and buffers); its collectives, notes
     and pass times go into ``info`` (a ``runtime.CompileInfo``) under ``key``."""
     from autopar import backend
-    from autopar.passes import PassContext, run_passes, step_passes
+    from autopar.passes import PassContext, step_passes
     from autopar.passes.distribute import grad_inputs, grad_outputs, output_values
     from autopar.passes.overlap import DPCollectives
+    from autopar.passes.shared import run_step_passes
     from autopar.runtime import StepRunner
 
     params = [model.get_parameter(n) for n in sg.param_names]
@@ -818,7 +811,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     if lay.once:
         state.accumulate = [j for j, i in enumerate(grad_index) if i < len(params)]
     ctx = PassContext(mesh, p, compile=inductor, disabled=set(disabled), step=state)
-    graphs = run_passes(sg.gm, ctx, step_passes())
+    graphs = run_step_passes(sg, ctx, step_passes())
     compiled = backend.compile_step(graphs, inductor=inductor and "inductor" not in disabled)
     for line in compiled.fallbacks:
         ctx.note("regions", line)

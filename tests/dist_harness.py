@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 import traceback
 
 import torch
@@ -233,6 +234,12 @@ def _grad_diffs(pm, ref) -> dict:
             "grad_scale": max(float(ref_g[n].grad.abs().max()) for n in diffs if ref_g[n].grad is not None)}
 
 
+def _cpu() -> float:
+    """CPU seconds this process and the processes it waited for (g++, compile workers) used."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _worker(rank: int, world: int, port: int, cases: list, cache: str):
     """One rank of a launch: each case's result as it is done; after an error, nothing more."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -244,8 +251,10 @@ def _worker(rank: int, world: int, port: int, cases: list, cache: str):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         for case in cases:
+            t0, c0 = time.perf_counter(), _cpu()
             try:
                 res = (run_checkpoint_case if "load_plan" in case else run_case)(world, case)
+                res.update(case_s=time.perf_counter() - t0, cpu_s=_cpu() - c0)
             except Exception as e:  # report it; the parent stops every rank
                 res = {"name": case["name"], "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
             yield res

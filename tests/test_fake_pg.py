@@ -112,3 +112,21 @@ def test_expert_parallel_groups_compile_the_same_graphs():
         assert p.returncode == 0, err[-3000:]
     d = [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
     assert d[0]["key"] == d[1]["key"], d
+
+
+def test_reads_of_a_ranks_place_are_noted():
+    """What ``coords.recording`` notes while the passes run, on rank 0 of a (dp 2, tp 2) fake
+    mesh: the graphs traced there are shared with exactly the ranks every read agrees on
+    (``passes/shared.py``). A membership test, the whole mesh's members, an even shard's shape
+    and the rank read at run time read nothing; an index into the coordinates, a local rank or a
+    submesh's members read one dim; the global rank, all of them."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "coordinate_reads.py")
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {d["probe"]: d["ranks"] for d in map(json.loads, r.stdout.splitlines())}
+    everyone, same_tp, same_dp = [0, 1, 2, 3], [0, 2], [0, 1]
+    assert got == {"membership test": everyone, "tp coordinate by index": same_tp, "every coordinate": [0],
+                   "dp local rank": same_dp, "tp submesh members": same_dp, "whole mesh members": everyone,
+                   "global rank": [0], "even shard shape": everyone, "uneven shard shape": same_tp,
+                   "shard offset": same_tp, "run-time rank": everyone, "discharged": everyone}

@@ -10,10 +10,14 @@ from ``autopar::group_rank`` (the rank in the mesh dim's process group, a 0-d te
 time) instead, so the graphs of all ranks of a group are the same text and compile once
 (``backend.compile_step``).
 
-Correct by construction: each rank still traces its own graph, and the op is used only where
-the group's rank equals the coordinate DTensor asked for on that rank, so a rank running the
-code another rank compiled (the same text) computes its own values. Uneven shards (sizes differ
-per rank, so the graphs do anyway) keep DTensor's own code.
+The op is used only where the group's rank equals the coordinate DTensor asked for on that rank,
+so a rank running the code another rank compiled (the same text) computes its own values.
+Uneven shards (sizes differ per rank, so the graphs do anyway) keep DTensor's own code.
+
+``recording()`` notes every read of this rank's place made while the passes run (a mesh
+coordinate, a rank, a submesh's or a group's members) that is not turned into the run-time op,
+with the ranks that would read the same value: the graphs are valid as they are on exactly the
+ranks every read agrees on (``Reads.ranks``; ``passes/shared.py`` hands them to those ranks).
 """
 
 from __future__ import annotations
@@ -47,14 +51,24 @@ def _(like: torch.Tensor, group_name: str) -> torch.Tensor:
     return like.new_empty((), dtype=torch.int64)
 
 
-def run_time_rank(like: torch.Tensor, mesh, mesh_dim: int, coordinate) -> torch.Tensor | None:
-    """The coordinate on ``mesh_dim`` as ``group_rank``, or None where the group's rank is not it."""
-    if not isinstance(coordinate, int):
-        return None
-    pg = mesh.get_group(mesh_dim)
-    if pg.rank() != coordinate:
-        return None
+def run_time_rank(like: torch.Tensor, mesh, mesh_dim: int, coordinate=None) -> torch.Tensor | None:
+    """The coordinate on ``mesh_dim`` (this rank's, or ``coordinate``, which DTensor read for it)
+    as ``group_rank``, or None where the group's rank is not it. Its own reads are not noted: the
+    graph reads the rank at run time."""
+    with _not_noted():
+        if coordinate is None:
+            coordinate = mesh._sym_get_coordinate(mesh_dim)
+        if not isinstance(coordinate, int):
+            return None
+        pg = mesh.get_group(mesh_dim)
+        if pg.rank() != coordinate:
+            return None
     return torch.ops.autopar.group_rank(like, pg.group_name)
+
+
+def coordinate(mesh, mesh_dim: int) -> int:
+    """This rank's coordinate on ``mesh_dim``, to be written into the graph (a noted read)."""
+    return mesh.get_local_rank(mesh_dim)
 
 
 def _mask_partition(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
@@ -62,7 +76,7 @@ def _mask_partition(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Te
     shard) with the shard's offset read at run time."""
     n = mesh.size(mesh_dim)
     rows = self.offset_shape[self.offset_dim]
-    r = run_time_rank(tensor, mesh, mesh_dim, mesh._sym_get_coordinate(mesh_dim)) if rows % n == 0 else None
+    r = run_time_rank(tensor, mesh, mesh_dim) if rows % n == 0 else None
     if r is None:
         return _ORIGINAL["mask"](self, tensor, mesh, mesh_dim)
     local, mask = own_rows(tensor, r * (rows // n), rows // n)
@@ -103,12 +117,14 @@ def _chunk(x: torch.Tensor, dim: int, mesh, mesh_dim: int, coordinate, pieces: i
 def _replicate_to_shard(self, local_tensor: torch.Tensor, mesh, mesh_dim: int, shard_index) -> torch.Tensor:
     """``Shard._replicate_to_shard``: this rank's chunk of a whole value."""
     out = _chunk(local_tensor, self.dim, mesh, mesh_dim, shard_index)
+    _discharge(out, mesh, mesh_dim, shard_index)
     return out if out is not None else _ORIGINAL["shard"](self, local_tensor, mesh, mesh_dim, shard_index)
 
 
 def _replicate_to_strided_shard(self, local_tensor: torch.Tensor, mesh, mesh_dim: int, shard_index) -> torch.Tensor:
     """``_StridedShard._replicate_to_strided_shard``: this rank's chunk of each of the parts."""
     out = _chunk(local_tensor, self.dim, mesh, mesh_dim, shard_index, self._split_factor_int())
+    _discharge(out, mesh, mesh_dim, shard_index)
     return out if out is not None else _ORIGINAL["strided"](self, local_tensor, mesh, mesh_dim, shard_index)
 
 
@@ -124,7 +140,9 @@ def _shard_dim_alltoall(x: torch.Tensor, gather_dim: int, shard_dim: int, mesh, 
     """``shard_dim_alltoall`` where the process group has no all-to-all (gloo: DTensor gathers,
     then keeps this rank's chunk), the chunk chosen at run time."""
     if mesh.device_type == "cpu":
-        out = _chunk(all_gather(x, gather_dim, mesh, mesh_dim), shard_dim, mesh, mesh_dim, mesh.get_local_rank(mesh_dim))
+        with _not_noted():
+            own = mesh.get_local_rank(mesh_dim)
+        out = _chunk(all_gather(x, gather_dim, mesh, mesh_dim), shard_dim, mesh, mesh_dim, own)
         if out is not None:
             return out
     return _ORIGINAL["alltoall"](x, gather_dim, shard_dim, mesh, mesh_dim)
@@ -148,3 +166,206 @@ def rank_free():
         Shard._replicate_to_shard = _ORIGINAL["shard"]
         _StridedShard._replicate_to_strided_shard = _ORIGINAL["strided"]
         placement_types.shard_dim_alltoall = _ORIGINAL["alltoall"]
+
+
+class Reads:
+    """The reads of this rank's place noted while recording: each with the set of ranks that
+    read the same value there (None: every rank does)."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.log: list[tuple[tuple, frozenset | None, str]] = []  # (what was read, peers, where)
+
+    def note(self, what: tuple, peers) -> None:
+        import traceback
+
+        self.log.append((what, None if peers is None else frozenset(peers), "".join(traceback.format_stack(limit=8)[:-2])))
+
+    def discharge(self, mesh, mesh_dim: int, value) -> None:
+        """The last read, DTensor's ``mesh._sym_get_coordinate(mesh_dim)`` made inline for the
+        call that ``_chunk`` answered with the run-time rank, is not written into the graph."""
+        if self.log and self.log[-1][0] == ("coordinate", id(mesh), mesh_dim, value):
+            self.log.pop()
+
+    def ranks(self) -> frozenset:
+        """The ranks on which the graphs traced here are the graphs they would trace."""
+        out = frozenset(range(self.world))
+        for _, peers, _ in self.log:
+            if peers is not None:
+                out &= peers
+        return out
+
+
+class _Coordinates(list):
+    """A mesh's ``get_coordinate()`` while recording: each coordinate read (by index, by
+    iterating, by comparing) is noted as it is read; testing it against None reads none."""
+
+    def __init__(self, values, mesh, reads: Reads, me: int):
+        super().__init__(values)
+        self._at = (mesh, reads, me)
+
+    def _note(self, dims) -> None:
+        mesh, reads, me = self._at
+        for d in dims:
+            reads.note(("coordinate", id(mesh), d, list.__getitem__(self, d)), _peers(mesh, (d,), me))
+
+    def __getitem__(self, i):
+        self._note(range(len(self))[i] if isinstance(i, slice) else [range(len(self))[i]])
+        return list.__getitem__(self, i)
+
+    def __iter__(self):
+        self._note(range(len(self)))
+        return list.__iter__(self)
+
+    def __eq__(self, other):
+        self._note(range(len(self)))
+        return list.__eq__(self, other)
+
+    __hash__ = None
+
+
+_READS: Reads | None = None
+_DEPTH = [0]  # inside a noted call (its own inner reads are its business) or a read not to note
+
+
+@contextlib.contextmanager
+def _not_noted():
+    _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+
+
+def _discharge(out, mesh, mesh_dim: int, value) -> None:
+    if out is not None and _READS is not None:
+        _READS.discharge(mesh, mesh_dim, value)
+
+
+def _instances(mesh) -> torch.Tensor | None:
+    """Every instance of ``mesh``'s shape over the world, (instances, *mesh.shape) global ranks
+    (torch's layout of a mesh and its slices); None where this torch has no such layout."""
+    try:
+        return mesh._layout.remap_to_tensor(mesh._rank_map)
+    except AttributeError:
+        return None
+
+
+def _peers(mesh, dims: tuple | None, me: int):
+    """The ranks that read what this rank reads: its coordinates on ``dims`` of ``mesh`` (None:
+    its instance of ``mesh``, the submesh's members); {me} where that is not known. Plain
+    tensors, outside any tracing."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        full = _instances(mesh)
+        if full is None:
+            return {me}
+        pos = (full == me).nonzero()
+        if pos.shape[0] == 0:
+            return {me}
+        pos = pos[0].tolist()
+        if dims is None:
+            return None if full.shape[0] == 1 else set(full[pos[0]].flatten().tolist())
+        sel = [slice(None)] + [pos[1 + i] if i in dims else slice(None) for i in range(full.dim() - 1)]
+        return set(full[tuple(sel)].flatten().tolist())
+
+
+@contextlib.contextmanager
+def recording():
+    """Note every read of this rank's place while inside (``Reads``): the mesh's coordinate
+    methods, its ``mesh`` (a slice's members), the global rank, a process group's rank and
+    members. Reads that only decide whether the run-time rank can be used are not noted."""
+    import sys
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import _utils as dtensor_utils
+
+    global _READS
+    world, me = dist.get_world_size(), dist.get_rank()
+    reads = Reads(world)
+
+    def noting(fn, read):
+        """``fn`` noting what it read: ``read(out, *args, **kwargs)`` -> (what, peers). torch's
+        structured logging, which stamps its records with the rank, reads nothing for a graph."""
+        def wrapped(*args, **kwargs):
+            if _DEPTH[0]:
+                return fn(*args, **kwargs)
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("torch._logging"):
+                with _not_noted():
+                    return fn(*args, **kwargs)
+            with _not_noted():
+                out = fn(*args, **kwargs)
+                reads.note(*read(out, *args, **kwargs))
+            return out
+        return wrapped
+
+    def index(m, mesh_dim=None):
+        return m.mesh_dim_names.index(mesh_dim) if isinstance(mesh_dim, str) else (mesh_dim or 0)
+
+    def sym_coordinate(out, m, i):
+        return ("coordinate", id(m), i, out), _peers(m, (i,), me)
+
+    def local_rank(out, m, mesh_dim=None):
+        return ("coordinate", id(m), index(m, mesh_dim), out), _peers(m, (index(m, mesh_dim),), me)
+
+    def members(out, m):
+        return ("members", id(m)), _peers(m, None, me)
+
+    def rank(out, *args, **kwargs):
+        return ("rank", out), {me}
+
+    def group_members(out, *args, **kwargs):
+        return ("group members", tuple(out)), set(out)
+
+    def coordinates(fn):
+        """``get_coordinate()``: testing it against None (membership) reads nothing; each
+        coordinate is noted as it is read (``_Coordinates``)."""
+        def wrapped(m):
+            out = fn(m)
+            return out if out is None or _DEPTH[0] else _Coordinates(out, m, reads, me)
+        return wrapped
+
+    def local_shape(fn):
+        """DTensor's local shape of a value (and its offset): a read of the coordinates where
+        the shape differs between them (uneven shards) or the offset is asked for."""
+        def wrapped(global_shape, mesh_shape, lookup, placements, skip_offset=False):
+            if _DEPTH[0] or not skip_offset or not callable(lookup):
+                return fn(global_shape, mesh_shape, lookup, placements, skip_offset)
+            with _not_noted():
+                out = fn(global_shape, mesh_shape, lookup, placements, skip_offset)
+                mine = [lookup(i) for i in range(len(mesh_shape))]
+                sharding = {i for i, p in enumerate(placements) if p.is_shard()}
+                same = sum(mesh_shape[i] for i in sharding) <= 4096 and all(
+                    fn(global_shape, mesh_shape, lambda j, i=i, c=c: c if j == i else mine[j], placements, True) == out
+                    for i in sharding for c in range(mesh_shape[i]))
+            if not same:
+                for i in sharding:
+                    lookup(i)  # noted
+            return out
+        return wrapped
+
+    def read_by(read):
+        return lambda fn: property(noting(fn.fget, read)) if isinstance(fn, property) else noting(fn, read)
+
+    patches = [(DeviceMesh, "get_coordinate", coordinates), (DeviceMesh, "_sym_get_coordinate", read_by(sym_coordinate)),
+               (DeviceMesh, "get_local_rank", read_by(local_rank)), (DeviceMesh, "get_rank", read_by(rank)),
+               (DeviceMesh, "mesh", read_by(members)), (ProcessGroup, "rank", read_by(rank)),
+               (c10d, "get_rank", read_by(rank)), (dist, "get_rank", read_by(rank)),
+               (c10d, "get_process_group_ranks", read_by(group_members)),
+               (dist, "get_process_group_ranks", read_by(group_members)),
+               (dtensor_utils, "_compute_local_shape_and_global_offset", local_shape)]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for (owner, name, wrap), (_, _, orig) in zip(patches, saved):
+        setattr(owner, name, wrap(orig))
+    prev, _READS = _READS, reads
+    try:
+        yield reads
+    finally:
+        _READS = prev
+        for owner, name, orig in reversed(saved):
+            setattr(owner, name, orig)

@@ -242,9 +242,8 @@ def _vocab_embedding(args: tuple, kwargs: dict, am: ActMesh) -> DTensor | None:
         return None
     dim = am.names.index("tp")
     ids_local = ids.to_local() if isinstance(ids, DTensor) else ids
-    coordinate = am.mesh.get_coordinate()[dim]
-    r = coords.run_time_rank(ids_local, am.mesh, dim, coordinate)
-    start = (coordinate if r is None else r) * (w.shape[0] // n)
+    r = coords.run_time_rank(ids_local, am.mesh, dim)
+    start = (coords.coordinate(am.mesh, dim) if r is None else r) * (w.shape[0] // n)
     # Each cp rank looks up its own tokens: its gradient of the table is a partial sum over cp.
     cp_split = isinstance(ids, DTensor) and am.has("cp") and not ids.placements[am.names.index("cp")].is_replicate()
     grad = am.placements(tp=Shard(0), cp=Partial()) if cp_split else None
