@@ -26,8 +26,12 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
 7. ``accumulate`` (``passes/accumulate.py``, parameters gathered once per step): each
    parameter's gradient added in place into the step's buffer for it where it is made.
 
-Then Inductor compiles each graph whole (``backend.compile_step``), keeping the order the passes
-chose; ``compile=False`` runs the very same graphs eagerly. ``memory.py`` walks those graphs for
+With several processes, the passes run on the first rank of each set whose inputs are the same
+and the others load the graphs it made (``shared.run_step_passes``: a rank's reads of its place
+in the mesh are noted, so ranks that would make other graphs make their own); the graphs stay in
+autopar's cache for the next run. Then Inductor compiles each graph whole
+(``backend.compile_step``), keeping the order the passes chose; ``compile=False`` runs the very
+same graphs eagerly. ``memory.py`` walks those graphs for
 the step's peak memory.
 
 Every node a pass adds carries ``node.meta["custom"]["pass"]`` (which pass made it) and, for
