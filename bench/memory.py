@@ -272,6 +272,7 @@ def main(argv=None) -> int:
     import tempfile
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-inductor-"))
+    os.environ.setdefault("AUTOPAR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-cache-"))  # a first run's setup
     rows = []
     for name in [n for n in CONFIGS if not args.only or n in args.only.split(",")]:
         for layers in map(int, args.layers.split(",")):

@@ -166,10 +166,12 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(2)
     # One fresh Inductor cache per run, shared by the ranks: a cached graph from an earlier run can
-    # name process groups that do not exist in this one.
+    # name process groups that do not exist in this one. A fresh autopar cache too: the time to
+    # the first step is a first run's (no step graphs stored by an earlier one, passes/shared.py).
     import tempfile
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
+    os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-cache-")
     cfgs = [c for c in CONFIGS if not args.only or c["name"] in args.only.split(",")]
     rows = [] if args.no_single else [single_process(args.steps)]
     for cfg in cfgs:  # each configuration in its own processes, as each would be its own job
