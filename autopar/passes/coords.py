@@ -253,14 +253,14 @@ def _instances(mesh) -> torch.Tensor | None:
 
 def _peers(mesh, dims: tuple | None, me: int):
     """The ranks that read what this rank reads: its coordinates on ``dims`` of ``mesh`` (None:
-    its instance of ``mesh``, the submesh's members); {me} where that is not known. Plain
-    tensors, outside any tracing."""
+    its instance of ``mesh``, the submesh's members); {me} where that is not known (a mesh
+    sliced while tracing holds fake ranks). Plain tensors, outside any tracing."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     with unset_fake_temporarily(), disable_proxy_modes_tracing():
         full = _instances(mesh)
-        if full is None:
+        if type(full) is not torch.Tensor:  # none, or a mesh made while tracing (ranks not known)
             return {me}
         pos = (full == me).nonzero()
         if pos.shape[0] == 0:
@@ -334,7 +334,8 @@ def recording():
         """DTensor's local shape of a value (and its offset): a read of the coordinates where
         the shape differs between them (uneven shards) or the offset is asked for."""
         def wrapped(global_shape, mesh_shape, lookup, placements, skip_offset=False):
-            if _DEPTH[0] or not skip_offset or not callable(lookup):
+            static = all(isinstance(n, int) for n in global_shape)  # sized by the data: its lookups are noted
+            if _DEPTH[0] or not skip_offset or not callable(lookup) or not static:
                 return fn(global_shape, mesh_shape, lookup, placements, skip_offset)
             with _not_noted():
                 out = fn(global_shape, mesh_shape, lookup, placements, skip_offset)
