@@ -217,11 +217,12 @@ def test_parity(launch, c):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group(GROUP["plans"])
-@pytest.mark.parametrize("name", ["llama-tiny/fsdp4", "llama-tiny/tp4", "llama-tiny/tp2_fsdp2_sp"])
+@pytest.mark.parametrize("name", ["llama-tiny/fsdp4", "llama-tiny/tp4", "llama-tiny/tp2_fsdp2_sp", "llama-tiny/ac_full_fsdp4"])
 def test_ranks_with_the_same_graphs_load_the_passes_one_ran(name):
-    """``passes/shared.py``: under FSDP 4, TP 4 and TP 2 x FSDP 2 + SP every rank makes the same
-    graphs, so ranks 1-3 load the graphs rank 0's passes made (or an earlier run's) instead of
-    running the passes (the parity of those cases is the test that they are the right graphs)."""
+    """``passes/shared.py``: under FSDP 4, TP 4, TP 2 x FSDP 2 + SP and FSDP 4 with full AC (whose
+    graphs call operators the AC pass defines as it runs) every rank makes the same graphs, so
+    ranks 1-3 load the graphs rank 0's passes made (or an earlier run's) instead of running the
+    passes (the parity of those cases is the test that they are the right graphs)."""
     for r in _launch("plans")[name][1:]:
         assert "passes (loaded)" in r["timings"] and "distribute" not in r["timings"], (r["name"], r["timings"])
 

@@ -81,6 +81,21 @@ def unseeded(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return _UNSEEDED[op]
 
 
+def unseeded_sources(targets) -> list[str]:
+    """The operators (``namespace.name.overload``) whose ``unseeded`` copies are among ``targets``:
+    what a process that loads graphs holding such copies defines first (``passes/shared.py``)."""
+    source = {v: k for k, v in _UNSEEDED.items()}
+    return sorted(f"{source[t].namespace}.{source[t]._schema.name.split('::')[-1]}.{source[t]._overloadname}"
+                  for t in set(targets) if t in source)
+
+
+def define_unseeded(sources: list[str]) -> None:
+    """``unseeded`` of each operator named as ``unseeded_sources`` names it."""
+    for qual in sources:
+        ns, name, overload = qual.split(".")
+        unseeded(getattr(getattr(getattr(torch.ops, ns), name), overload))
+
+
 def recompute_policy(n: torch.fx.Node, mode: str):
     """The checkpoint policy of forward node ``n`` of a layer under AC ``mode`` (None: untagged)."""
     op_node = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) else n

@@ -174,12 +174,10 @@ class Reads:
 
     def __init__(self, world: int):
         self.world = world
-        self.log: list[tuple[tuple, frozenset | None, str]] = []  # (what was read, peers, where)
+        self.log: list[tuple[tuple, frozenset | None]] = []  # (what was read, peers)
 
     def note(self, what: tuple, peers) -> None:
-        import traceback
-
-        self.log.append((what, None if peers is None else frozenset(peers), "".join(traceback.format_stack(limit=8)[:-2])))
+        self.log.append((what, None if peers is None else frozenset(peers)))
 
     def discharge(self, mesh, mesh_dim: int, value) -> None:
         """The last read, DTensor's ``mesh._sym_get_coordinate(mesh_dim)`` made inline for the
@@ -190,7 +188,7 @@ class Reads:
     def ranks(self) -> frozenset:
         """The ranks on which the graphs traced here are the graphs they would trace."""
         out = frozenset(range(self.world))
-        for _, peers, _ in self.log:
+        for _, peers in self.log:
             if peers is not None:
                 out &= peers
         return out

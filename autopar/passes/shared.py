@@ -33,7 +33,7 @@ import time
 import torch
 
 from autopar.errors import AutoparError
-from autopar.passes import PassContext, StepGraphs, run_passes
+from autopar.passes import PassContext, StepGraphs, ac, run_passes
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,6 @@ def run_step_passes(sg, ctx: PassContext, passes: list) -> StepGraphs:
 
 def step_key(sg, ctx: PassContext) -> str:
     """A digest of everything the step passes take, except this rank's place in the mesh."""
-    import autopar
-
     state = ctx.step
     h = hashlib.sha256()
     h.update(torch.__version__.encode())
@@ -102,8 +100,7 @@ def step_key(sg, ctx: PassContext) -> str:
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith("AUTOPAR_") and k not in ("AUTOPAR_QUIET", "AUTOPAR_CACHE_DIR", "AUTOPAR_SHARED_PASSES"))
     h.update(repr(canonical([ctx.plan, ctx.compile, sorted(ctx.disabled), state.layout, state.rules, state.example,
-                             state.n_outputs, state.dp, state.split_weight, state.accumulate, env,
-                             autopar.__file__])).encode())
+                             state.n_outputs, state.dp, state.split_weight, state.accumulate, env])).encode())
     return h.hexdigest()[:32]
 
 
@@ -209,6 +206,7 @@ def _save(store: str, graphs: StepGraphs, ctx: PassContext, reads) -> None:
     name = hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
     fake = detect_fake_mode([n.meta.get("val") for n in graphs.fw.graph.find_nodes(op="placeholder")])
     mode = {"allow_non_fake_inputs": bool(getattr(fake, "allow_non_fake_inputs", True))}
+    unseeded = ac.unseeded_sources(n.target for gm in _graph_modules(graphs) for n in gm.graph.nodes)
     try:
         data = GraphPickler.dumps({"graphs": graphs, "notes": ctx.notes, "accumulate": ctx.step.accumulate},
                                   Options(ops_filter=None))
@@ -217,7 +215,7 @@ def _save(store: str, graphs: StepGraphs, ctx: PassContext, reads) -> None:
                     type(e).__name__, e)
         return
     os.makedirs(store, exist_ok=True)
-    for suffix, payload in ((".pkl", data), (".json", json.dumps({"ranks": ranks, "fake_mode": mode}).encode())):
+    for suffix, payload in ((".pkl", data), (".json", json.dumps({"ranks": ranks, "fake_mode": mode, "unseeded": unseeded}).encode())):
         tmp = os.path.join(store, f".{name}{suffix}.{os.getpid()}")
         with open(tmp, "wb") as f:
             f.write(payload)
@@ -242,6 +240,7 @@ def _load(store: str, rank: int, ctx: PassContext) -> StepGraphs | None:
         except (OSError, ValueError, KeyError):
             continue
         try:
+            ac.define_unseeded(header.get("unseeded", []))  # operators the AC pass defines as it runs
             entry = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv(), **header["fake_mode"]))
         except Exception as e:  # noqa: BLE001 - written by another version of a library: run the passes
             log.warning("shared passes: %s does not load (%s: %s)", meta, type(e).__name__, e)
