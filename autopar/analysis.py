@@ -86,6 +86,11 @@ class NodeCosts:
     causal: np.ndarray  # bool: attention kernel with a causal mask
     recompute_selective: np.ndarray  # bool: recomputed under selective AC
 
+    def experts(self) -> np.ndarray:
+        """Where the nodes are routed experts' matmuls (``grouped_mm``: the experts' weights, each
+        on its own rows)."""
+        return np.array([n.startswith("grouped_mm") for n in self.names], dtype=bool)
+
     def subset(self, mask: np.ndarray) -> NodeCosts:
         """The nodes where ``mask`` is true."""
         idx = np.flatnonzero(mask)
@@ -339,7 +344,7 @@ def _node_costs(gm: torch.fx.GraphModule, param_nodes: set[str]) -> dict[str, tu
             q, k = _val(n.args[0]), _val(n.args[1])
             if flops == 0 and q is not None:  # CPU flash kernel is not in flop_registry
                 bq, hq, sq, dq = q.shape
-                flops = 4 * bq * hq * sq * k.shape[-2] * dq
+                flops = 2 * bq * hq * sq * k.shape[-2] * (dq + _val(n.args[2]).shape[-1])
             causal = bool(n.kwargs.get("is_causal", False)) or any(a is True for a in n.args[3:6])
         elif name in MATMUL_OPS:
             kind = KIND_MATMUL

@@ -10,6 +10,8 @@ under while it traces it.
   its own weights before training (``check_routed_experts``).
 - Attention priced as the target GPU runs it (``_TargetKernels``): no dropout outside the kernel,
   the fused kernel where this CPU would take the math path.
+- A causal language model's attention traced as causal, not with an explicit mask, where the mask
+  is provably the causal one (``_CausalMask``): the flash kernel skips the masked half.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
 
     def attempt():
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_CausalMask())
             if target_kernels:
                 stack.enter_context(_TargetKernels())
             if tc._is_compiling_flag:  # the second trace: decide random-threshold branches exactly
@@ -390,6 +393,84 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
 # --------------------------------------------------------------------------------------------
 # Attention as the target GPU runs it
 # --------------------------------------------------------------------------------------------
+class _CausalMask:
+    """transformers (``masking_utils``) hands SDPA ``attn_mask=None, is_causal=True`` only when it
+    can see the mask is the plain causal one, and it never sees that while a model is traced:
+    without an attention mask it ANDs the causal mask with a packed-sequence mask computed from the
+    position ids (``find_packed_sequence_indices``: one sequence unless the positions restart), and
+    under ``torch.compiler.is_compiling()`` (the export path) it keeps every mask, in case the
+    exported graph is later called with other lengths. Either way the step would run attention with
+    an explicit (s x s) mask: a GPU then takes the memory-efficient kernel, which cannot skip the
+    masked half, instead of causal flash attention.
+
+    autopar's step is traced at its real shapes: position ids the trace made with ``arange``
+    (the model's own, from ``cache_position``, when the caller passes none) are one sequence, so
+    there is no packed-sequence mask; and the skip test runs as it does outside a trace where there
+    is no padding mask (its other conditions are shapes). Everything else (a padding mask, sliding
+    windows shorter than the sequence, bidirectional image tokens, position ids that come from the
+    caller) keeps transformers' own mask. Versions without ``masking_utils`` are left as they are."""
+
+    NAMES = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
+
+    def __enter__(self):
+        try:
+            from transformers import masking_utils as mu
+        except ImportError:
+            self.mu = None
+            return self
+        self.mu = mu
+        self.kept = {name: getattr(mu, name, None) for name in self.NAMES}
+        skip, packed = self.kept["_ignore_causal_mask_sdpa"], self.kept["find_packed_sequence_indices"]
+        if skip is not None:
+            def ignore_causal_mask(padding_mask, *args, **kwargs):
+                if padding_mask is not None:
+                    return skip(padding_mask, *args, **kwargs)
+                import torch.compiler as tc
+
+                compiling, tc._is_compiling_flag = tc._is_compiling_flag, False
+                try:
+                    return skip(padding_mask, *args, **kwargs)
+                finally:
+                    tc._is_compiling_flag = compiling
+
+            mu._ignore_causal_mask_sdpa = ignore_causal_mask
+        if packed is not None:
+            mu.find_packed_sequence_indices = lambda position_ids: None if _counts_up(position_ids) else packed(position_ids)
+        return self
+
+    def __exit__(self, *exc):
+        if self.mu is not None:
+            for name, fn in self.kept.items():
+                if fn is not None:
+                    setattr(self.mu, name, fn)
+
+
+_SAME_VALUES = {"unsqueeze", "expand", "view", "_unsafe_view", "alias", "clone", "_to_copy", "lift_fresh_copy"}
+
+
+def _counts_up(t: torch.Tensor) -> bool:
+    """Whether the trace made ``t`` as 0, 1, 2, ... (from any start) along its last dim: an
+    ``arange`` of step 1, unsqueezed, expanded or viewed; False where the trace cannot say (an
+    input of the step, or no trace running)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor):
+        return False
+    try:
+        node = get_proxy_slot(t, mode.tracer).proxy.node
+    except (KeyError, AttributeError, RuntimeError):
+        return False
+    while node.op == "call_function" and getattr(node.target, "_opname", None) in _SAME_VALUES:
+        if node.target._opname == "view" and list(node.args[1])[-1:] != [node.args[0].meta["val"].shape[-1]]:
+            return False  # a view that reshapes the last dim
+        node = node.args[0]
+    target = node.target if node.op == "call_function" else None
+    if target in (torch.ops.aten.arange.default, torch.ops.aten.arange.start):
+        return True
+    return target is torch.ops.aten.arange.start_step and len(node.args) > 2 and node.args[2] == 1
+
+
 class _TargetKernels(torch.overrides.TorchFunctionMode):
     """Price what the target GPU runs, not what this host's kernels choose. Attention with
     dropout has no fused kernel on CPU, so the trace would take (and price) the unfused math

@@ -182,3 +182,40 @@ def test_unaliased_writes_run_out_of_place_and_writes_through_views_stay():
     out_of_place(gm)
     assert mutable(gm) == [torch.ops.aten.add_.Tensor]
     torch.testing.assert_close(gm(x, y), through_view(x, y), rtol=0, atol=0)
+
+
+def _attention_calls(gm) -> list[tuple[bool, bool]]:
+    """(causal, has a mask) of each attention kernel in a traced graph."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target):
+            causal = bool(n.kwargs.get("is_causal", False)) or any(a is True for a in n.args[3:6])
+            out.append((causal, n.kwargs.get("attn_mask") is not None))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "hf-mixtral"])
+def test_a_causal_lm_runs_causal_attention_without_a_mask(kind):
+    """transformers builds an explicit (s x s) mask whenever it is traced (a packed-sequence mask
+    from the position ids; every mask on the export path, which routed experts take): the step
+    would run masked attention, which a GPU cannot run as causal flash attention. Position ids the
+    model makes itself count up, so the step calls causal attention with no mask; position ids the
+    caller passes may restart (packed sequences), so their mask stays."""
+    from tests import zoo
+
+    m = zoo.build(kind)
+    ids = torch.randint(0, 200, (2, 16))
+    sg = capture.trace_step(m, (ids,), target=ids)
+    assert _attention_calls(sg.gm) == [(True, False)] * len(sg.layers)
+
+    class Packed(torch.nn.Module):  # the caller's own positions, through a wrapper of its own
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, pos):
+            return self.inner(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+    pos = torch.arange(16).repeat(2, 1)
+    sg = capture.trace_step(Packed(m), (ids, pos), target=ids)
+    assert _attention_calls(sg.gm) == [(False, True)] * len(sg.layers)

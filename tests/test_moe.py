@@ -364,6 +364,37 @@ def test_ep_imbalance_prices_the_busiest_rank():
         price(0.5)
 
 
+def test_ep_rank_reads_only_its_own_experts_weights():
+    """Under ep the expert matmuls of a rank read its own experts' weights, 1/ep of the block's
+    (a small batch's expert matmuls are bound by those reads): the layer's compute is cheaper by
+    exactly the expert matmuls' reads that moved to the other ranks, the rest as it was."""
+    import dataclasses
+
+    from autopar import api
+    from autopar.cost_models import hardware
+    from autopar.cost_models.compute import node_times
+
+    m = zoo.build("hf-mixtral")
+    xs, _ = zoo.example("hf-mixtral", 1, B=8, S=32)
+    prof = api.profile_model(m, example_inputs=xs)
+
+    def compute(plan):
+        return api.estimate_plan(m, 4, plan, hardware="h100", global_batch=8, profiled=prof)[1].breakdown["compute"]
+
+    whole, own = compute("dp=4,fsdp=1,mb=2"), compute("ep=4,dp=4,fsdp=1,mb=2")
+    hw = hardware.load("h100")
+    layers = prof.profile.layer_sequence()
+    saved = 0.0
+    for b in layers:
+        ex = b.costs.subset(b.costs.experts())
+        assert len(ex.names) == 3  # gate, up and down
+        quarter = dataclasses.replace(ex, weight_bytes=ex.weight_bytes / 4)
+        t = [node_times(c, hw, mb=2, tp=1, sp=False, compute="fp32") for c in (ex, quarter)]
+        saved += (t[0].fwd + t[0].bwd) - (t[1].fwd + t[1].bwd)
+    assert saved > 0.1 * whole
+    assert whole - own == pytest.approx(saved, rel=1e-6)  # one microbatch of 2 per rank
+
+
 def test_ep_refused_for_experts_with_biases():
     """Experts whose linears have biases (gpt-oss) run routed, but expert parallelism does not
     split them yet: pinned, it is refused with the reason; searched, it is not tried."""

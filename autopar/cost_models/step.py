@@ -311,9 +311,10 @@ class StageModel:
     def _layer(self, b: BlockProfile) -> LayerCoeffs:
         ctx, cfg = self.ctx, self.cfg
         tp, mb, sp = cfg.tp, self.tokens, cfg.sp
-        ct = self._times(b.costs, mb, tp, sp, ctx.float8)
+        costs = self._ep_costs(b) if cfg.ep > 1 and b.experts else b.costs
+        ct = self._times(costs, mb, tp, sp, ctx.float8)
         if cfg.ep > 1 and b.experts and ctx.ep_imbalance != 1.0:
-            ct = self._imbalanced(b, ct, mb, tp, sp)
+            ct = self._imbalanced(costs, ct, mb, tp, sp)
         rec = {"none": 0.0, "selective": ct.recompute_selective, "full": ct.fwd}
         saved = getattr(b, "saved_partitioned", None) if ctx.activations == "partitioned" else None
         saved = saved or b.saved
@@ -438,12 +439,21 @@ class StageModel:
                                           compiled=ctx.compiled, fp8=fp8, compute=ctx.prec.compute)
         return self._cache[key]
 
-    def _imbalanced(self, b: BlockProfile, ct, mb: float, tp: int, sp: bool):
-        """``ct`` with the block's expert matmuls (its ``grouped_mm`` nodes) on the busiest ep
-        rank: ``ctx.ep_imbalance`` times their even share."""
-        key = ("experts", id(b))
+    def _ep_costs(self, b: BlockProfile):
+        """The block's costs on one ep rank: its expert matmuls read its own experts' weights,
+        1/ep of the block's (each rank runs its experts on the rows routed to them)."""
+        key = ("ep_costs", id(b), self.cfg.ep)
         if key not in self._cache:
-            self._cache[key] = b.costs.subset(np.array([n.startswith("grouped_mm") for n in b.costs.names]))
+            w = np.where(b.costs.experts(), b.costs.weight_bytes / self.cfg.ep, b.costs.weight_bytes)
+            self._cache[key] = dataclasses.replace(b.costs, weight_bytes=w)
+        return self._cache[key]
+
+    def _imbalanced(self, costs, ct, mb: float, tp: int, sp: bool):
+        """``ct`` with the expert matmuls of ``costs`` (a block's ``grouped_mm`` nodes) on the
+        busiest ep rank: ``ctx.ep_imbalance`` times their even share."""
+        key = ("experts", id(costs))
+        if key not in self._cache:
+            self._cache[key] = costs.subset(costs.experts())
         ex = self._times(self._cache[key], mb, tp, sp, self.ctx.float8)
         more = self.ctx.ep_imbalance - 1.0
         return dataclasses.replace(ct, fwd=ct.fwd + more * ex.fwd, bwd=ct.bwd + more * ex.bwd,
