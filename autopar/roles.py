@@ -158,6 +158,33 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
     return 1, ""
 
 
+def _split_dim(n: torch.fx.Node) -> int:
+    """The dim a split op splits along, negative (from the last)."""
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    return dim - n.args[0].meta["val"].dim() if dim >= 0 else dim
+
+
+def _tokens(gm: torch.fx.GraphModule, residual: set) -> int | None:
+    """Tokens of the residual stream: the rows of its first value (a block's hidden states, a
+    token embedding), None where its first value is not floating-point features."""
+    first = next((n for n in gm.graph.nodes if n in residual), None)
+    val = first.meta.get("val") if first is not None else None
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not val.is_floating_point():
+        return None
+    return val.shape[:-1].numel()
+
+
+def _shared_by_heads(n: torch.fx.Node, tokens: int | None) -> bool:
+    """Whether ``n`` expands a value with one head's features per token (``tokens`` x its
+    last dim) along size-1 dims: the same values for every head."""
+    if tokens is None or n.op != "call_function" or n.target != _aten.expand.default:
+        return False
+    src, out = n.args[0].meta.get("val"), n.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.dim() != out.dim():
+        return False
+    return src.numel() == tokens * src.shape[-1] and out.numel() > src.numel()
+
+
 def _stacked_parts(view: torch.fx.Node, d: int) -> int:
     """A column's features viewed as (A, heads, head_dim) with ``A`` leading at dim ``d`` and
     unbound along it, possibly after transposes (ModernBERT's ``Wqkv(x).view(B, S, 3, H, D)
@@ -295,11 +322,15 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
             residual.add(n)
 
     walked: dict = {}
+    tokens = _tokens(gm, residual)
+    shared: set = set()  # expands of one head's values per token to every head
 
     def walk(x: torch.fx.Node, through_products: bool = True) -> tuple[set, set]:
         """The linears ``x`` is computed from without passing through a linear (nor, unless
         ``through_products``, a product of two activations: attention's), and the nodes on the
-        way (each walk once: the role tests ask for the same activations again)."""
+        way (each walk once: the role tests ask for the same activations again). A value with
+        one head per token expanded to every head (multi-head latent attention's rotary key) is
+        the same for every head shard: the walk does not go past it (``_shared_by_heads``)."""
         if (x, through_products) in walked:
             return walked[x, through_products]
         seen, stack, out = set(), [x], set()
@@ -310,6 +341,8 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
             seen.add(y)
             if y in linears:
                 out.add(y)
+            elif y is not x and _shared_by_heads(y, tokens):
+                shared.add(y)
             elif y not in pidx and (through_products or y.op != "call_function" or y.target not in _PRODUCTS):
                 stack += y.all_input_nodes
         walked[x, through_products] = out, seen
@@ -323,6 +356,11 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
         attention makes of it is per head."""
         fr, between = walk(x, through_products=False)
         sizes = {int(phs[linears[f].weight].meta["val"].shape[linears[f].out_dim]) for f in fr}
+        # A part of those features split off along the last dim (multi-head latent attention's
+        # compressed latent beside its rotary key) normalized as a whole is whole too.
+        sizes |= {int(o.shape[-1]) for y in between if y.op == "call_function" and y.target in SPLIT_OPS
+                  and _split_dim(y) == -1 and int(y.args[0].meta["val"].shape[-1]) in sizes
+                  for o in y.meta["val"]}
         return any(_reduced_features(y) in sizes and not any(z.target in _PRODUCTS for z in walk(y, False)[1])
                    for y in between if y not in fr)
 
@@ -380,6 +418,11 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
                     if linears[c].role == "column":
                         linears[c].role, linears[c].reason = "replicated", "its row partner stays replicated"
                 changed = True
+    for e in shared:  # what only every head's shared copy reads stays whole, said why
+        for f in walk(e.args[0], through_products=False)[0]:
+            lin = linears[f]
+            if lin.role == "replicated" and not lin.reason:
+                lin.reason = "its output is shared by every head (expanded to them), so each rank computes it whole"
     # Where a column reads the residual stream: the residual node its activation is a view of.
     gather_points: dict = {}
     for lin in linears.values():

@@ -185,6 +185,32 @@ def test_step_roles_by_data_flow(kind, want):
     assert len(heads) == 1
 
 
+def test_latent_attention_splits_by_heads_and_keeps_the_latents_whole():
+    """DeepSeek's multi-head latent attention under TP: the per-head projections (queries, and
+    the keys and values made from the compressed latent) are columns and the output projection
+    their row; the projection to the compressed latent and the rotary key (one head's features
+    per token, expanded to every head) stays whole, with the reason. The planner prices what the
+    executor's finder splits."""
+    from tests import zoo
+
+    torch.manual_seed(0)
+    m = zoo.build("hf-deepseek-v2")
+    sg = capture.trace_step(m, (torch.zeros(2, 16, dtype=torch.long),), target=torch.ones(2, 16, dtype=torch.long))
+    found = step_roles(sg)
+    for layer in sg.layers:
+        got = {sg.param_names[l.weight][len(layer) + 1:]: l for l in found.linears
+               if sg.param_names[l.weight].startswith(layer + ".self_attn.")}
+        assert {k: v.role for k, v in got.items()} == {
+            "self_attn.q_proj.weight": "column", "self_attn.kv_b_proj.weight": "column",
+            "self_attn.o_proj.weight": "row", "self_attn.kv_a_proj_with_mqa.weight": "replicated"}
+        assert "shared by every head" in got["self_attn.kv_a_proj_with_mqa.weight"].reason
+    prof = analysis.analyze(capture.trace_model(m, batch=2, seq_len=16, dtype=torch.float32))
+    for b in prof.blocks:
+        roles = {l.weight: l.role for l in b.linears if l.weight.startswith("self_attn.")}
+        assert roles == {"self_attn.q_proj.weight": "column", "self_attn.kv_b_proj.weight": "column",
+                         "self_attn.o_proj.weight": "row", "self_attn.kv_a_proj_with_mqa.weight": "replicated"}
+
+
 @pytest.mark.parametrize("kind,split", [("hf-llama", True), ("hf-deit", True), ("diffusers-dit", False)])
 def test_head_split_only_under_a_cross_entropy(kind, split):
     """The head's logits stay split over TP only when the loss reads them through a log-softmax
