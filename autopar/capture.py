@@ -577,12 +577,12 @@ def trace_step(
     # encoder.embed_tokens is its ``shared``) would be swapped twice, and restored to the fake.
     slots: set = set()
     distinct: dict[str, str] = {}  # name to swap -> the traced parameter or buffer it holds
-    for first, name in [(n, n) for n in pnames + bnames] + [(f, o) for f, others in aliases.items() for o in others]:
-        owner, _, attr = name.rpartition(".")
+    for first, held_as in [(n, n) for n in pnames + bnames] + [(f, o) for f, others in aliases.items() for o in others]:
+        owner, _, attr = held_as.rpartition(".")
         slot = (id(model.get_submodule(owner)), attr)
         if slot not in slots:
             slots.add(slot)
-            distinct[name] = first
+            distinct[held_as] = first
 
     def step(ps, bs, xs, *tgt):
         if param_dtype is not None:  # floating-point inputs enter in the compute dtype (FSDP2's cast_forward_inputs)

@@ -228,7 +228,7 @@ API_CASES = [
     # OPT: the mask shortcut is passed on the export path; LayerDrop with probability 0 is exact
     # (tests/test_parity.py trains it); with a probability above 0 it is stochastic control flow.
     ("random_layer_skipping_hf_opt", lambda: (_hf_opt_layerdrop(), 1, {"example_inputs": (torch.randint(0, 256, (4, 16)),)}),
-     TraceError, r"modeling_opt.py:\d+: .*torch.rand.*skips work when it is below 0.2 .*set that probability to 0 "
+     TraceError, r"the training step of OPTForCausalLM at .*modeling_opt.py:\d+: .*torch.rand.*skips work when it is below 0.2 .*set that probability to 0 "
                  r"\(e.g. config.layerdrop=0\)"),
     # Routed experts that score with a sigmoid: the fixed-shape form would train another model.
     ("moe_routing_autopar_does_not_know", lambda: (_sigmoid_moe(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
