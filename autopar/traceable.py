@@ -462,8 +462,10 @@ def _counts_up(t: torch.Tensor) -> bool:
     except (KeyError, AttributeError, RuntimeError):
         return False
     while node.op == "call_function" and getattr(node.target, "_opname", None) in _SAME_VALUES:
-        if node.target._opname == "view" and list(node.args[1])[-1:] != [node.args[0].meta["val"].shape[-1]]:
-            return False  # a view that reshapes the last dim
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or not src.dim() or \
+                not out.dim() or src.shape[-1] != out.shape[-1]:
+            return False  # the last dim reshaped, or broadcast from one position
         node = node.args[0]
     target = node.target if node.op == "call_function" else None
     if target in (torch.ops.aten.arange.default, torch.ops.aten.arange.start):
