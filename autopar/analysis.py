@@ -118,6 +118,9 @@ class BlockProfile:
     # One entry per column/row pair group: (module whose input is gathered once for all its
     # column linears, or None when each column linear gathers its own input; columns; row).
     tp_groups: list = field(default_factory=list)
+    # The features of each input TP gathers per layer (``roles.Roles.gathered``: the normed hidden
+    # states, or a compressed latent), () where not recorded (then one hidden-wide input per gather).
+    gather_features: tuple = ()
 
     @property
     def gathers(self) -> int:
@@ -592,6 +595,7 @@ def analyze_block(bt: BlockTrace, seq_len: int, batch: int) -> BlockProfile:
         params_tp=params_tp, params_rep=params_all - params_tp, param_shapes=bt.param_shapes,
         saved=saved, hidden_bytes=hidden_bytes, tp_divisors=tp_div, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, quadratic_attention=quad_attn, tp_groups=tp_groups,
+        gather_features=tuple(sorted(int(_val(root).shape[-1]) for root in found.gathered())),
         saved_partitioned=partitioned_saved(bt, batch, tp_nodes, hidden_bytes,
                                             {r.name for r in found.columns_of}),
     )

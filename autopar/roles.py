@@ -95,6 +95,12 @@ class Roles:
     region: dict  # row linear node -> the nodes from its columns to it (TP-local: divided by the degree)
     reduce_at: dict  # row linear node -> the node where its partial sums are reduced (``_reduce_points``)
 
+    def gathered(self) -> dict:
+        """The gather points a matmul reads: TP gathers each of these inputs (under SP, its
+        sequence shards) once for the columns that read it."""
+        mms = (_aten.mm.default, _aten.addmm.default, GROUPED_MM)
+        return {root: nodes for root, nodes in self.gather_points.items() if any(n.target in mms for n in nodes)}
+
 
 def _is_2d_transpose(n: torch.fx.Node) -> bool:
     """``w.T`` / ``w.permute(1, 0)`` of a matrix (Falcon's linear computes ``x @ self.weight.T``)."""

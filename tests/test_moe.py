@@ -296,6 +296,27 @@ def test_tp_collectives_are_the_priced_ones_over_tokens_not_their_rows(sp):
     assert sum(b for g, _, b in small if g == "backward") == (2 + 5 * sp) * top_k_values, small
 
 
+def test_latent_attention_gathers_its_latent_as_priced():
+    """DeepSeek-V2 under TP 2 + SP: each layer's key/value projection reads the compressed latent
+    (16 features here), which the executor gathers at its own width, not the hidden width; the
+    plan prices that gather (forward) and its reduce-scatter (backward), one per layer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "moe_collectives.py"), "1", "hf-deepseek-v2"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    latent = 4 * 2 * 16 * d["latent"]  # fp32 bytes of the step's tokens x latent features
+    layers = 3
+    assert d["got"][f"forward:all_gather_into_tensor:{latent}"] == layers == d["plan"][f"all_gather:{latent}"]
+    # a reduce-scatter is recorded by its output (1/tp)
+    assert d["got"][f"backward:reduce_scatter_tensor:{latent // 2}"] == layers == d["plan"][f"reduce_scatter:{latent}"]
+
+
 @pytest.mark.parametrize("reshard,tp", [(0, 1), (1, 1), (1, 2)])
 def test_ep_collectives_are_the_priced_ones(reshard, tp):
     """Under expert parallelism (ep 4 over FSDP 4; ep 2 over FSDP 2 x TP 2) a routed experts'

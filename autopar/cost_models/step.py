@@ -323,7 +323,8 @@ class StageModel:
         # keeps the sequence shard and gathers it again in the backward, as Megatron-LM does.
         sp_gathered = 0.0
         if sp and tp > 1 and ctx.activations == "partitioned":
-            sp_gathered = b.gathers * mb * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes * (1 - 1 / tp)
+            sp_gathered = (sum(gathered_features(b, ctx.model.hidden)) * mb * ctx.model.seq_len * ctx.act_bytes
+                           * (1 - 1 / tp))
         tp_fwd = tp_bwd = regather = 0.0
         for kind, nbytes, n_fwd, n_bwd, _ in tp_layer_collectives(b, cfg, ctx):
             t = self._ct(kind, nbytes, self.g_tp)
@@ -881,19 +882,41 @@ def _split_saved(saved: tuple, tp: int, seq_div: int) -> float:
 
 def tp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
     """What the TP pass inserts per layer and microbatch: (kind, bytes, forward count, backward
-    count, why). A group's input is gathered once (or once per column linear without a common
-    parent module); its row linear reduces once. Without SP: all-reduce forward at rows, backward
-    at gathers. With SP: all-gather/reduce-scatter in place of each, mirrored in backward."""
+    count, why). Each input the layer's columns read is gathered once, at its own width (the
+    normed hidden states; a compressed latent); each row reduces once at the hidden width. Without
+    SP: all-reduce forward at rows, backward at gathers. With SP: all-gather/reduce-scatter in
+    place of each, mirrored in backward."""
     if cfg.tp == 1 or not b.rows:
         return []
-    msg = cfg.mb / cfg.cp * ctx.model.seq_len * ctx.model.hidden * ctx.act_bytes
-    g, r = b.gathers, b.rows
-    if not cfg.sp:
-        return [("all_reduce", msg, r, g, "TP row outputs (fwd), column inputs' gradients (bwd)")]
-    return [
-        ("all_gather", msg, g, r, "SP: column inputs (fwd), row outputs' gradients (bwd)"),
-        ("reduce_scatter", msg, r, g, "SP: row outputs (fwd), column inputs' gradients (bwd)"),
-    ]
+    token = cfg.mb / cfg.cp * ctx.model.seq_len * ctx.act_bytes
+    msg, r = token * ctx.model.hidden, b.rows
+    out: dict = {}  # (kind, bytes) -> [forward count, backward count]
+
+    def add(kind: str, nbytes: float, fwd: float, bwd: float) -> None:
+        counts = out.setdefault((kind, nbytes), [0, 0])
+        counts[0] += fwd
+        counts[1] += bwd
+
+    if not cfg.sp:  # Megatron: the row outputs all-reduced (fwd), each gathered input's gradient (bwd)
+        add("all_reduce", msg, r, 0)
+        for width in gathered_features(b, ctx.model.hidden):
+            add("all_reduce", token * width, 0, 1)
+    else:  # each all-reduce as a reduce-scatter and an all-gather, mirrored in the backward
+        add("reduce_scatter", msg, r, 0)
+        add("all_gather", msg, 0, r)
+        for width in gathered_features(b, ctx.model.hidden):
+            add("all_gather", token * width, 1, 0)
+            add("reduce_scatter", token * width, 0, 1)
+    why = {"all_reduce": "TP row outputs (fwd), column inputs' gradients (bwd)",
+           "all_gather": "SP: column inputs (fwd), row outputs' gradients (bwd)",
+           "reduce_scatter": "SP: row outputs (fwd), column inputs' gradients (bwd)"}
+    return [(kind, nbytes, f, bw, why[kind]) for (kind, nbytes), (f, bw) in out.items()]
+
+
+def gathered_features(b: BlockProfile, hidden: int) -> tuple[int, ...]:
+    """The features of each input TP gathers per layer: as the analysis recorded them, else one
+    hidden-wide input per gather."""
+    return b.gather_features or (hidden,) * b.gathers
 
 
 def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:

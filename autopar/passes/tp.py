@@ -28,7 +28,6 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.grouped_mm import GROUPED_MM
 from autopar.roles import Roles
 
 
@@ -95,8 +94,7 @@ def tp_rules(sg, roles: Roles, tp: int, sp: bool, split_head: bool) -> TPRules:
             notes.append(f"{names[i]}: used with placements {sorted(set(map(placement_str, pls)))}: replicated")
             placements[i] = Replicate()
     sharded = {i for i, p in placements.items() if not isinstance(p, Replicate)}
-    gathered = {root: nodes for root, nodes in roles.gather_points.items()
-                if any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, GROUPED_MM) for n in nodes)}
+    gathered = roles.gathered()
     to_residual = set()
     for lin in roles.linears:
         if lin.role == "row" and lin.weight in sharded:
