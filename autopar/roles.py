@@ -147,9 +147,7 @@ def _split_parts(lin: torch.fx.Node, features: int) -> tuple[int, str]:
                 if reason:
                     return 1, reason
             elif u.target in SPLIT_OPS:
-                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
-                xv = x.meta["val"]
-                if dim % xv.dim() != xv.dim() - 1:
+                if _split_dim(u) != -1:
                     continue
                 outs = [o.shape[-1] for o in u.meta["val"]]
                 if len(set(outs)) == 1 and len(outs) > 1:

@@ -413,12 +413,13 @@ class _CausalMask:
     NAMES = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
 
     def __enter__(self):
-        try:
-            from transformers import masking_utils as mu
-        except ImportError:
-            self.mu = None
+        import sys
+
+        # Loaded by any transformers model that builds a mask: a model that never imported it
+        # (autopar's own, a user's) does not pay transformers' import here.
+        self.mu = mu = sys.modules.get("transformers.masking_utils")
+        if mu is None:
             return self
-        self.mu = mu
         self.kept = {name: getattr(mu, name, None) for name in self.NAMES}
         skip, packed = self.kept["_ignore_causal_mask_sdpa"], self.kept["find_packed_sequence_indices"]
         if skip is not None:
