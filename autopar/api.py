@@ -1002,6 +1002,10 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
     if not dist.is_initialized() and world != 1:
         raise AutoparError(f"a world of {world} needs torch.distributed initialised (torchrun, or autopar.runtime.init_distributed())")
     example_inputs = check_example_inputs(example_inputs, example_target)
+    if compile and device == "cpu" and "inductor" not in disabled:
+        from autopar.backend import warm_cpu_compiler
+
+        warm_cpu_compiler()  # Inductor's CPU probe runs beside the trace and the passes
     traceable.check_routed_experts(model)  # before the fixed-shape experts form trains anything
     if device == "cuda":
         # Traced where it runs: the device arguments the model's code records (an ``arange`` on

@@ -67,6 +67,41 @@ def _fake_mode(vals: list):
     return detect_fake_mode(vals)
 
 
+_WARM: dict = {}
+
+
+def warm_cpu_compiler() -> None:
+    """Start Inductor's one-time probe of the CPU's vector instructions in a thread, so that it
+    runs beside the trace and the passes instead of before the first kernel. Inductor's first
+    CPU compile in a process builds and loads a test library per instruction set (AVX-512 VNNI,
+    AVX-512, AVX2, ...: 9-11 s on a 2-core machine with an empty cache, 1.5 s with a warm one),
+    mostly in g++ and in child processes, which leave this process's interpreter free. The probe's
+    result is cached by Inductor; ``compile_graph`` waits for the thread before compiling."""
+    import threading
+
+    if "thread" in _WARM:
+        return
+
+    def probe():
+        from torch._inductor import cpu_vec_isa
+
+        try:
+            cpu_vec_isa.pick_vec_isa()
+        except Exception as e:  # noqa: BLE001 - Inductor probes again, and says why, when it compiles
+            log.debug("backend: the vector-instruction probe failed in the background: %s", e)
+
+    _WARM["thread"] = threading.Thread(target=probe, name="autopar-cpu-isa-probe", daemon=True)
+    _WARM["thread"].start()
+
+
+def _warmed() -> None:
+    """Wait for ``warm_cpu_compiler``'s probe (if one started): Inductor's probe is cached without
+    a lock, so a second caller while it runs would probe again."""
+    t = _WARM.get("thread")
+    if t is not None:
+        t.join()
+
+
 def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     """``gm`` compiled (or, without Inductor, run as is) as a *boxed* callable: it takes one list
     of inputs and empties it, so an input whose only reference was that list is freed at its
@@ -88,6 +123,7 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     # the tuning block it writes for the whole graph does not allocate the workspace such a kernel
     # inside a subgraph needs (torch 2.11 on an H200: "Failed to run autotuning code block: name
     # 'workspace_0' is not defined", RMSNorm's backward at 4 x 2048 tokens).
+    _warmed()
     calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     inductor_cfg = {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
     with torch.no_grad(), torch._inductor.config.patch(inductor_cfg), batched_cpp_kernels():
