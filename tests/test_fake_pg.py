@@ -130,3 +130,22 @@ def test_reads_of_a_ranks_place_are_noted():
                    "dp local rank": same_dp, "tp submesh members": same_dp, "whole mesh members": everyone,
                    "global rank": [0], "even shard shape": everyone, "uneven shard shape": same_tp,
                    "shard offset": same_tp, "run-time rank": everyone, "discharged": everyone}
+
+
+def test_eager_attention_runs_on_each_ranks_heads():
+    """GPT-J (eager attention: heads folded into the batch dim of two batched matmuls) under TP 2 +
+    SP: the attention's matmuls run on each rank's heads, forward and backward, so the step's TP
+    all-gathers are the priced ones (each layer's sequence-parallel gather, and the head's), at
+    their bytes. The backward gathered every head's probabilities and values before: its view
+    back to (batch, heads, ...) remade the gradient's placement as a shard order."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "tp_collectives.py")
+    r = subprocess.run([sys.executable, script, "1", "hf-gptj"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
+    got = {k.split(":", 1)[1]: 0 for k in d["got"]}
+    for k, v in d["got"].items():
+        got[k.split(":", 1)[1]] += v
+    gathers = {k.rsplit(":", 1)[1]: v for k, v in got.items() if k.startswith("all_gather")}
+    priced = {k.rsplit(":", 1)[1]: v for k, v in d["plan"].items() if k.startswith("all_gather")}
+    assert gathers == priced and sum(gathers.values()) == 2 * 3, (d["got"], d["plan"])

@@ -269,7 +269,7 @@ def test_tp_collectives_are_the_priced_ones_over_tokens_not_their_rows(sp):
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "moe_collectives.py"), str(sp)],
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "tp_collectives.py"), str(sp)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
@@ -306,7 +306,7 @@ def test_latent_attention_gathers_its_latent_as_priced():
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "moe_collectives.py"), "1", "hf-deepseek-v2"],
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "tp_collectives.py"), "1", "hf-deepseek-v2"],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])

@@ -123,6 +123,32 @@ class Unread:
         self.read, self.index, self.local = read, index, local
 
 
+class _Shard(torch.autograd.Function):
+    """``x.to_local()`` whose gradient comes back as a DTensor with ``x``'s own spec. DTensor's
+    ``to_local`` remakes the gradient with ``from_local``, which reads a ``_StridedShard`` as a
+    shard order (no ``shard_order``), while the same placement made by a view (heads folded into
+    the batch dim) carries one: DTensor then prices keeping the placement at an infinite cost and
+    gathers both operands of the backward's batched matmul (every head's attention probabilities
+    and values, on every rank) instead of running it on each rank's heads."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:
+        ctx.spec = x._spec
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import dataclasses
+
+        from torch.distributed.tensor._dtensor_spec import TensorMeta
+        from torch.distributed.tensor._utils import compute_global_tensor_info
+
+        spec = ctx.spec
+        _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+        meta = TensorMeta(spec.tensor_meta.shape, tuple(stride), spec.tensor_meta.dtype)
+        return DTensor(grad, dataclasses.replace(spec, tensor_meta=meta), requires_grad=grad.requires_grad)
+
+
 def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh) -> list | None:
     """Split an interleaved (``_StridedShard``) fused output into its parts locally."""
     p = am.tp_of(x)
@@ -134,7 +160,7 @@ def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh) -> list
     parts = len(n.meta["val"])
     if parts != p.split_factor:
         return None
-    local = x.to_local()
+    local = _Shard.apply(x)
     return [DTensor.from_local(c.contiguous(), am.mesh, am.with_tp(x, Shard(p.dim)), run_check=False, shape=v.shape,
                                stride=_contiguous_stride(v.shape))
             for c, v in zip(local.chunk(parts, dim), n.meta["val"])]
@@ -155,7 +181,7 @@ def _local_view(x: DTensor, n: torch.fx.Node, am: ActMesh):
         return None
     local = [*x.to_local().shape[:dim], *v.shape[dim:]]  # the leading dims as split (cp's sequence)
     local[dim + 1] //= tp
-    return DTensor.from_local(x.to_local().contiguous().view(local), am.mesh, am.with_tp(x, Shard(dim + 1)), run_check=False,
+    return DTensor.from_local(_Shard.apply(x).contiguous().view(local), am.mesh, am.with_tp(x, Shard(dim + 1)), run_check=False,
                               shape=v.shape, stride=_contiguous_stride(v.shape))
 
 
@@ -189,7 +215,7 @@ def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh):
     end = size if end is None or end > size else end
     if dim % x.dim() != p.dim % x.dim() or start % part or end - start != part:
         return None
-    local = x.to_local()
+    local = _Shard.apply(x)
     lp = local.shape[dim] // p.split_factor
     k = start // part
     piece = local.narrow(dim, k * lp, lp).contiguous()

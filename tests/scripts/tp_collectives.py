@@ -1,7 +1,7 @@
 """On a fake process group of 2: a tests/zoo model (HF Mixtral unless argv[2] names another)
 under TP 2, with SP when argv[1] is 1, the executor's graphs (default options: Inductor compiles
 the graphs counted); print as JSON the step's TP collectives by graph, kind and bytes, and the
-plan's priced TP collectives per step by kind and bytes. Usage: moe_collectives.py SP [MODEL]"""
+plan's priced TP collectives per step by kind and bytes. Usage: tp_collectives.py SP [MODEL]"""
 import collections
 import json
 import sys
@@ -24,5 +24,5 @@ for c in pm.plan.collectives:
     if c["group"] == "tp":
         plan[f"{c['kind']}:{int(c['bytes'])}"] += c["count"] // pm.plan.n_microbatches
 print(json.dumps({"got": dict(got), "plan": dict(plan), "hidden": model.config.hidden_size,
-                  "top_k": model.config.num_experts_per_tok,
+                  "top_k": getattr(model.config, "num_experts_per_tok", None),
                   "latent": getattr(model.config, "kv_lora_rank", None)}))
