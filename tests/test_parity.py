@@ -83,7 +83,10 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     # (the planner's own choice: ModernBERT's and mT5's); images in, class labels out (DeiT: a
     # patch-embedding convolution, class tokens, a 10-way head); latents, timesteps and class
     # labels in, the noise MSE out (diffusers' DiT, adaptive layer norm).
-    *[case(m, "auto", "auto") for m in ("hf-modernbert", "hf-mt5", "hf-deit", "diffusers-dit")]]
+    *[case(m, "auto", "auto") for m in ("hf-modernbert", "hf-mt5", "hf-deit", "diffusers-dit")],
+    # Latent attention under CP x TP + SP: the replicated latent projection runs on each rank's
+    # tokens, flattened and unflattened with the sequence split over both cp and tp.
+    case("hf-deepseek-v2", "cp2_tp2_sp", {"cp": 2, "tp": 2, "sp": 1})]
 # The same families cut into two pipeline stages (two kinds of layers for the encoder-decoders;
 # Swin's stages of different widths, shifted windows), on 2 processes: the stages' graphs are
 # what differs by family (data parallelism over the stages is the reference Llama's, CI_PP4).

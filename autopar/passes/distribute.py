@@ -149,10 +149,25 @@ class _Shard(torch.autograd.Function):
         return DTensor(grad, dataclasses.replace(spec, tensor_meta=meta), requires_grad=grad.requires_grad)
 
 
-def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh) -> list | None:
-    """Split an interleaved (``_StridedShard``) fused output into its parts locally."""
+def _interleaved(x: DTensor, am: ActMesh) -> _StridedShard | None:
+    """``x``'s TP placement where it is an interleave (``_StridedShard``) that only TP splits:
+    a fused output's parts, each holding this rank's heads. Not where another mesh dim splits the
+    same dim (the tokens of a flattened (batch, sequence) under SP, split over cp and tp too):
+    DTensor views that itself."""
     p = am.tp_of(x)
     if not isinstance(p, _StridedShard):
+        return None
+    i = am.names.index("tp")
+    if any(j != i and isinstance(q, (Shard, _StridedShard)) and q.dim % x.dim() == p.dim % x.dim()
+           for j, q in enumerate(x.placements)):
+        return None
+    return p
+
+
+def _local_split(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh) -> list | None:
+    """Split an interleaved (``_StridedShard``) fused output into its parts locally."""
+    p = _interleaved(x, am)
+    if p is None:
         return None
     dim = args[2] if len(args) > 2 else n.kwargs.get("dim", 0)
     if dim % x.dim() != p.dim % x.dim():
@@ -170,8 +185,8 @@ def _local_view(x: DTensor, n: torch.fx.Node, am: ActMesh):
     """View an interleaved (``_StridedShard``) fused output as its stacked parts, (..., A, heads,
     head_dim) with ``A`` the parts at the sharded dim: each rank's shard holds its heads of every
     part, so the local view is the same with heads divided, sharded on the heads dim."""
-    p = am.tp_of(x)
-    if not isinstance(p, _StridedShard):
+    p = _interleaved(x, am)
+    if p is None:
         return None
     v = n.meta["val"]
     dim = p.dim % x.dim()
@@ -183,6 +198,58 @@ def _local_view(x: DTensor, n: torch.fx.Node, am: ActMesh):
     local[dim + 1] //= tp
     return DTensor.from_local(_Shard.apply(x).contiguous().view(local), am.mesh, am.with_tp(x, Shard(dim + 1)), run_check=False,
                               shape=v.shape, stride=_contiguous_stride(v.shape))
+
+
+def _unflattened_tokens(x: DTensor, n: torch.fx.Node, am: ActMesh):
+    """Tokens flattened as (batch x sequence, ...) viewed back as (batch, sequence, ...) where
+    more than one mesh dim splits the sequence (cp and tp's SP: each ``_StridedShard(0, batch)``):
+    locally the same view with this rank's tokens, the sequence split as before the flatten.
+    DTensor cannot unflatten two interleaves of one dim (DeepSeek-V2's replicated latent
+    projection under CP x TP + SP, which runs on each rank's tokens)."""
+    v = n.meta["val"]
+    split = [i for i, q in enumerate(x.placements) if not q.is_replicate()]
+    if (len(split) < 2 or x.dim() < 1 or v.dim() != x.dim() + 1 or tuple(v.shape[2:]) != tuple(x.shape[1:])
+            or v.shape[0] * v.shape[1] != x.shape[0]):
+        return None
+    if not all(isinstance(x.placements[i], _StridedShard) and x.placements[i].dim % x.dim() == 0
+               and x.placements[i].split_factor == v.shape[0] for i in split):
+        return None
+    local = _Shard.apply(x)
+    placements = tuple(Shard(1) if i in split else q for i, q in enumerate(x.placements))
+    return DTensor.from_local(local.contiguous().view(v.shape[0], -1, *v.shape[2:]), x.device_mesh, placements,
+                              run_check=False, shape=v.shape, stride=_contiguous_stride(v.shape))
+
+
+class _FlatTokens(torch.autograd.Function):
+    """DTensor's own flatten of (batch, sequence, ...) split along the sequence by more than one
+    mesh dim, whose gradient is unflattened locally (``_unflattened_tokens``' view, backward)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, shape) -> DTensor:
+        ctx.spec, ctx.local_shape = x._spec, x._local_tensor.shape
+        return x.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        import dataclasses
+
+        from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+        spec = ctx.spec
+        meta = TensorMeta(spec.tensor_meta.shape, _contiguous_stride(spec.tensor_meta.shape), spec.tensor_meta.dtype)
+        local = _Shard.apply(grad).contiguous().view(ctx.local_shape)
+        return DTensor(local, dataclasses.replace(spec, tensor_meta=meta), requires_grad=local.requires_grad), None
+
+
+def _flattened_tokens(x: DTensor, n: torch.fx.Node, am: ActMesh):
+    """(batch, sequence, ...) viewed as (batch x sequence, ...) where more than one mesh dim splits
+    the sequence: DTensor's view, with the gradient viewed back locally (``_FlatTokens``)."""
+    v = n.meta["val"]
+    split = [i for i, q in enumerate(x.placements) if not q.is_replicate()]
+    if (len(split) < 2 or x.dim() < 2 or v.dim() != x.dim() - 1 or tuple(v.shape[1:]) != tuple(x.shape[2:])
+            or not all(isinstance(x.placements[i], Shard) and x.placements[i].dim % x.dim() == 1 for i in split)):
+        return None
+    return _FlatTokens.apply(x, tuple(v.shape))
 
 
 def _on_whole_values(target, args, kwargs, am: ActMesh):
@@ -206,8 +273,8 @@ def _contiguous_stride(shape) -> tuple:
 
 
 def _local_slice(x: DTensor, n: torch.fx.Node, args: tuple, am: ActMesh):
-    p = am.tp_of(x)
-    if not isinstance(p, _StridedShard):
+    p = _interleaved(x, am)
+    if p is None:
         return None
     _, dim, start, end = (list(args) + [0, None, None])[:4]
     size = x.shape[dim]
@@ -497,6 +564,10 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                     out = _local_slice(args[0], n, args, am)
                 elif n.target in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
                     out = _local_view(args[0], n, am)
+                    if out is None:
+                        out = _unflattened_tokens(args[0], n, am)
+                    if out is None:
+                        out = _flattened_tokens(args[0], n, am)
             if (out is None and am is not None and n.target == _aten.view.default and args
                     and isinstance(args[0], DTensor) and not args[0].to_local().is_contiguous()):
                 # The traced kernel's output strides allowed a view; the replayed local shard
