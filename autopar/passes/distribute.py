@@ -226,8 +226,9 @@ class _FlatTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: DTensor, shape) -> DTensor:
-        ctx.spec, ctx.local_shape = x._spec, x._local_tensor.shape
-        return x.view(shape)
+        out = x.view(shape)
+        ctx.spec, ctx.local_shape, ctx.out_placements = x._spec, x._local_tensor.shape, out.placements
+        return out
 
     @staticmethod
     def backward(ctx, grad: DTensor):
@@ -237,7 +238,9 @@ class _FlatTokens(torch.autograd.Function):
 
         spec = ctx.spec
         meta = TensorMeta(spec.tensor_meta.shape, _contiguous_stride(spec.tensor_meta.shape), spec.tensor_meta.dtype)
-        local = _Shard.apply(grad).contiguous().view(ctx.local_shape)
+        if grad.placements != ctx.out_placements:  # laid out as the flattened value, rank by rank
+            grad = grad.redistribute(grad.device_mesh, ctx.out_placements)
+        local = grad._local_tensor.contiguous().view(ctx.local_shape)
         return DTensor(local, dataclasses.replace(spec, tensor_meta=meta), requires_grad=local.requires_grad), None
 
 
