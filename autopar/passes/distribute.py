@@ -138,15 +138,20 @@ class _Shard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        import dataclasses
+        return _with_spec(grad, ctx.spec)
 
-        from torch.distributed.tensor._dtensor_spec import TensorMeta
-        from torch.distributed.tensor._utils import compute_global_tensor_info
 
-        spec = ctx.spec
-        _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
-        meta = TensorMeta(spec.tensor_meta.shape, tuple(stride), spec.tensor_meta.dtype)
-        return DTensor(grad, dataclasses.replace(spec, tensor_meta=meta), requires_grad=grad.requires_grad)
+def _with_spec(local: torch.Tensor, spec) -> DTensor:
+    """``local`` as this rank's shard of a DTensor with ``spec`` (its placements, and its shard
+    order as the spec carries it), the global strides those of ``local``."""
+    import dataclasses
+
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    _, stride = compute_global_tensor_info(local, spec.mesh, spec.placements)
+    meta = TensorMeta(spec.tensor_meta.shape, tuple(stride), spec.tensor_meta.dtype)
+    return DTensor(local, dataclasses.replace(spec, tensor_meta=meta), requires_grad=local.requires_grad)
 
 
 def _interleaved(x: DTensor, am: ActMesh) -> _StridedShard | None:
@@ -194,7 +199,7 @@ def _local_view(x: DTensor, n: torch.fx.Node, am: ActMesh):
     if (tuple(v.shape[:dim]) != tuple(x.shape[:dim]) or v.dim() < dim + 3 or v.shape[dim] != p.split_factor
             or v.shape[dim + 1] % tp):
         return None
-    local = [*x.to_local().shape[:dim], *v.shape[dim:]]  # the leading dims as split (cp's sequence)
+    local = [*x._local_tensor.shape[:dim], *v.shape[dim:]]  # the leading dims as split (cp's sequence)
     local[dim + 1] //= tp
     return DTensor.from_local(_Shard.apply(x).contiguous().view(local), am.mesh, am.with_tp(x, Shard(dim + 1)), run_check=False,
                               shape=v.shape, stride=_contiguous_stride(v.shape))
@@ -208,7 +213,7 @@ def _unflattened_tokens(x: DTensor, n: torch.fx.Node, am: ActMesh):
     projection under CP x TP + SP, which runs on each rank's tokens)."""
     v = n.meta["val"]
     split = [i for i, q in enumerate(x.placements) if not q.is_replicate()]
-    if (len(split) < 2 or x.dim() < 1 or v.dim() != x.dim() + 1 or tuple(v.shape[2:]) != tuple(x.shape[1:])
+    if (len(split) < 2 or v.dim() != x.dim() + 1 or tuple(v.shape[2:]) != tuple(x.shape[1:])
             or v.shape[0] * v.shape[1] != x.shape[0]):
         return None
     if not all(isinstance(x.placements[i], _StridedShard) and x.placements[i].dim % x.dim() == 0
@@ -232,16 +237,9 @@ class _FlatTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        import dataclasses
-
-        from torch.distributed.tensor._dtensor_spec import TensorMeta
-
-        spec = ctx.spec
-        meta = TensorMeta(spec.tensor_meta.shape, _contiguous_stride(spec.tensor_meta.shape), spec.tensor_meta.dtype)
         if grad.placements != ctx.out_placements:  # laid out as the flattened value, rank by rank
             grad = grad.redistribute(grad.device_mesh, ctx.out_placements)
-        local = grad._local_tensor.contiguous().view(ctx.local_shape)
-        return DTensor(local, dataclasses.replace(spec, tensor_meta=meta), requires_grad=local.requires_grad), None
+        return _with_spec(grad._local_tensor.contiguous().view(ctx.local_shape), ctx.spec), None
 
 
 def _flattened_tokens(x: DTensor, n: torch.fx.Node, am: ActMesh):
