@@ -746,7 +746,18 @@ class ParallelModule(nn.Module):
 
         if not os.path.isdir(path):
             raise AutoparError(f"no checkpoint at {path}: give the directory save_checkpoint wrote")
-        state = self._checkpoint_state(optimizer)
+        # An optimizer that has not stepped gets its state (the entries the load fills) from
+        # torch only where no parameter holds a gradient; otherwise its moments would silently
+        # stay unloaded. The gradients are set aside for that and put back.
+        held = [(q, q.grad) for g in (optimizer.param_groups if optimizer is not None and not optimizer.state else ())
+                for q in g["params"] if q.grad is not None]
+        for q, _ in held:
+            q.grad = None
+        try:
+            state = self._checkpoint_state(optimizer)
+        finally:
+            for q, grad in held:
+                q.grad = grad
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         missing = [k for k in _flat_keys(state) if k not in meta]
         if missing:

@@ -7,6 +7,7 @@ loss and every gradient after one step, and the loss trajectory over three AdamW
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 import traceback
@@ -105,6 +106,10 @@ def run_case(world: int, case: dict) -> dict:
         out["ref_losses"].append(float(rl.detach()))
         ref_opt.step()
         opt.step()
+    if case.get("save_ckpt"):
+        out.update(save_checkpoint(pm, opt, ref, ref_opt, case))
+    if case.get("load_ckpt"):
+        out.update(resume(pm, case))
     if fsdp2 is not None:
         out["fsdp2_losses"] = fsdp2["losses"]
         out["dtypes"] = {"params": sorted({str(q.dtype) for q in pm.parameters()}),
@@ -164,62 +169,62 @@ def fsdp2_run(model: torch.nn.Module, world: int, mp_policy, case: dict) -> dict
     return {"losses": losses}
 
 
-def run_checkpoint_case(world: int, case: dict) -> dict:
-    """Train one step under one plan and save the model and the optimizer (AdamW moments)
-    (``pm.save_checkpoint``: torch.distributed.checkpoint plus the plan); load both under another
-    plan (``pm.load_checkpoint``), possibly in a launch of another size (``save_plan`` None: the
-    directory was written by an earlier launch), into a model initialised differently. The
-    weights must come back bit for bit (by original name) and training must go on along the
-    single-process trajectory (the second step after loading checks the moments)."""
-    import autopar
+# The batches both trajectories take after a checkpoint: the reference's from the saved state, the
+# plan's that loaded it.
+RESUME_SEEDS = (300, 301)
+
+
+def save_checkpoint(pm, opt, ref, ref_opt, case: dict) -> dict:
+    """After the case's steps: the model and the optimizer (AdamW moments) saved under the case's
+    plan (``pm.save_checkpoint``: torch.distributed.checkpoint and the plan) in ``case["save_ckpt"]``,
+    the full weights beside them, and the single-process trajectory from the same state (the
+    reference's next two steps), for a loader under another plan to follow."""
     from tests import zoo
 
-    xs, tgt = model_batch(case, 1)
-    loss_fn = zoo.loss_of(case["model"])
-    ref = build(case["model"])
-    out = {"name": case["name"]}
-    if case.get("save_plan") is not None:
-        src = autopar.compile(copy.deepcopy(ref), world, example_inputs=xs, example_target=tgt, loss_fn=loss_fn,
-                              plan=case["save_plan"],
-                              global_batch=tgt.shape[0], mp_policy=case.get("mp"))
-        opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
-        src.step(xs, target=tgt)
-        opt.step()  # trained weights and moments, unlike any fresh initialisation
-        saved = src.full_state_dict()
-        src.save_checkpoint(case["dir"], opt)
-        if dist.get_rank() == 0:
-            torch.save(saved, os.path.join(case["dir"], "full_state_dict.pt"))
-        out["saved_plan"] = src.plan.as_config_string()
-    else:
-        saved = torch.load(os.path.join(case["dir"], "full_state_dict.pt"))
-    # The single-process trajectory: the same first step, then two more.
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = []
-    for step in range(3):
-        b_xs, b_tgt = model_batch(case, 1 + step)
+    d = case["save_ckpt"]
+    saved = pm.full_state_dict()
+    pm.save_checkpoint(d, opt)
+    loss_fn, ref_losses = zoo.loss_of(case["model"]), []
+    for seed in RESUME_SEEDS:
+        xs, tgt = model_batch(case, seed)
         ref_opt.zero_grad()
-        loss = loss_fn(ref(*b_xs), b_tgt)
+        loss = loss_fn(ref(*xs), tgt)
         loss.backward()
         ref_opt.step()
         ref_losses.append(float(loss.detach()))
-    torch.manual_seed(1)
-    dst = autopar.compile(zoo.build(case["model"]), world, example_inputs=xs, example_target=tgt, loss_fn=loss_fn,
-                          plan=case["load_plan"],
-                          global_batch=tgt.shape[0], mp_policy=case.get("mp"))
-    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
-    old_plan = dst.load_checkpoint(case["dir"], dst_opt)
-    got = dst.full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(saved, os.path.join(d, "full_state_dict.pt"))
+        with open(os.path.join(d, "trajectory.json"), "w") as f:
+            json.dump(ref_losses, f)
+    dist.barrier()  # written before any rank reads them
+    return {"saved_plan": pm.plan.as_config_string()}
+
+
+def resume(pm, case: dict) -> dict:
+    """Load the checkpoint in ``case["load_ckpt"]`` (written under another plan, maybe by another
+    number of processes) into ``pm`` with a fresh optimizer, over weights made different first:
+    the weights must come back bit for bit (by original name), and training goes on along the
+    single-process trajectory from the saved state (its second step checks the moments)."""
+    d = case["load_ckpt"]
+    with torch.no_grad():
+        for q in pm.parameters():
+            q.add_(1.0)  # a load that left anything as it was shows
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    old = pm.load_checkpoint(d, opt)
+    got, saved = pm.full_state_dict(), torch.load(os.path.join(d, "full_state_dict.pt"))
+    with open(os.path.join(d, "trajectory.json")) as f:
+        ref_losses = json.load(f)
     same = sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
     losses = []
-    for step in (1, 2):
-        b_xs, b_tgt = model_batch(case, 1 + step)
-        dst_opt.zero_grad()
-        losses.append(float(dst.step(b_xs, target=b_tgt)))
-        dst_opt.step()
-    return {**out, "plans": [old_plan.as_config_string() if old_plan else None, dst.plan.as_config_string()],
-            "saved_world": old_plan.world_size if old_plan else None,
-            "identical": same, "n": len(saved), "losses_after_load": losses, "ref_losses": ref_losses[1:],
-            "differ": [k for k in saved if k not in got or not torch.equal(got[k], saved[k])][:6]}
+    for seed in RESUME_SEEDS:
+        xs, tgt = model_batch(case, seed)
+        opt.zero_grad()
+        losses.append(float(pm.step(xs, target=tgt)))
+        opt.step()
+    return {"resumed": {"plans": [old.as_config_string() if old else None, pm.plan.as_config_string()],
+                        "saved_world": old.world_size if old else None, "identical": same, "n": len(saved),
+                        "losses": losses, "ref_losses": ref_losses,
+                        "differ": [k for k in saved if k not in got or not torch.equal(got[k], saved[k])][:6]}}
 
 
 def _grad_diffs(pm, ref) -> dict:
@@ -253,7 +258,7 @@ def _worker(rank: int, world: int, port: int, cases: list, cache: str):
         for case in cases:
             t0, c0 = time.perf_counter(), _cpu()
             try:
-                res = (run_checkpoint_case if "load_plan" in case else run_case)(world, case)
+                res = run_case(world, case)
                 res.update(case_s=time.perf_counter() - t0, cpu_s=_cpu() - c0)
             except Exception as e:  # report it; the parent stops every rank
                 res = {"name": case["name"], "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}

@@ -6,6 +6,11 @@ Cases are grouped per launch (process start and gloo set-up cost seconds; the In
 shared by the ranks of a launch and across launches). ``make parity`` runs the whole model x
 plan matrix and writes its table to bench/results/parity.md."""
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from tests import dist_harness
@@ -193,13 +198,34 @@ LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), 
             "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP),
             "ep_tp": (4, CI_EP_TP)}
 MATRIX = {"models_a", "models_b", "models_hf", "models_pp"}
+# Checkpoints across plans (tests/test_checkpoint.py), on graphs a launch compiles anyway: after
+# its steps the saver saves the model and the optimizer; a later case of the same launch, after
+# its own steps, loads them (launch, saver, loader). FSDP 4 to TP 4 + SP; the sequence split over
+# cp (parameters sharded over dp_shard x cp) to TP + SP; a head tied to the embedding across
+# stages, FSDP to TP (GPT-2's fused Conv1D q, k, v); in mixed precision (the fp32 masters) from
+# one stage to two and back, and GPT's fused QKV under TP to two stages.
+CKPT = [("plans", "llama-tiny/fsdp4", "llama-tiny/tp4_sp"), ("cp", "hf-llama/cp2_fsdp2", "hf-llama/cp2_tp2_sp"),
+        ("pp4", "hf-gpt2/pp2_fsdp2", "hf-gpt2/pp2_tp2_sp"), ("mixed", "hf-llama/fsdp4_bf16", "hf-llama/pp2_fsdp2_bf16"),
+        ("mixed", "hf-llama/pp2_fsdp2_bf16", "hf-llama/ddp4_bf16"),
+        ("mixed", "gpt-tiny/tp2_fsdp2_sp_bf16", "gpt-tiny/pp2_fsdp2_bf16")]
+CKPT_DIRS: dict = {}  # saver's case name -> its checkpoint directory, once its launch ran
 _results: dict = {}
 
 
 def _launch(name: str) -> dict:
     """Run one launch once (its cases in turn on its processes) and keep the results by case."""
     if name not in _results:
-        _results[name] = _by_name(*LAUNCHES[name])
+        world, cases = LAUNCHES[name]
+        pairs = [(s, d) for launch, s, d in CKPT if launch == name]
+        if pairs:
+            root = tempfile.mkdtemp(prefix=f"autopar-ckpt-{name}-")
+            atexit.register(shutil.rmtree, root, True)
+            dirs = {s: os.path.join(root, s.replace("/", "_")) for s, _ in pairs}
+            loads = {d: dirs[s] for s, d in pairs}
+            cases = [{**c, **({"save_ckpt": dirs[c["name"]]} if c["name"] in dirs else {}),
+                      **({"load_ckpt": loads[c["name"]]} if c["name"] in loads else {})} for c in cases]
+            CKPT_DIRS.update(dirs)
+        _results[name] = _by_name(world, cases)
     return _results[name]
 
 

@@ -148,8 +148,23 @@ def _shard_dim_alltoall(x: torch.Tensor, gather_dim: int, shard_dim: int, mesh, 
     return _ORIGINAL["alltoall"](x, gather_dim, shard_dim, mesh, mesh_dim)
 
 
+def _to_new_shard_dim(self, local_tensor: torch.Tensor, mesh, mesh_dim: int, current_logical_shape,
+                      new_shard_dim: int) -> torch.Tensor:
+    """``Shard._to_new_shard_dim`` (a shard moved to another dim: an all-to-all). DTensor reads the
+    rank's coordinate for the unpadding, which uses it only where the new dim splits unevenly;
+    where it splits evenly, the same steps without that read."""
+    n = mesh.size(mesh_dim)
+    size = current_logical_shape[new_shard_dim]
+    if not isinstance(size, int) or size % n or mesh.get_coordinate() is None:
+        return _ORIGINAL["new_dim"](self, local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim)
+    padded = Shard._pad_for_new_shard_dim(current_logical_shape, local_tensor, n, self.dim, new_shard_dim)
+    moved = placement_types.shard_dim_alltoall(padded, self.dim, new_shard_dim, mesh, mesh_dim)
+    return Shard._unpad_for_new_shard_dim(current_logical_shape, moved, n, self.dim, new_shard_dim, 0)
+
+
 _ORIGINAL = {"mask": _MaskPartial._partition_value, "shard": Shard._replicate_to_shard,
-             "strided": _StridedShard._replicate_to_strided_shard, "alltoall": placement_types.shard_dim_alltoall}
+             "strided": _StridedShard._replicate_to_strided_shard, "alltoall": placement_types.shard_dim_alltoall,
+             "new_dim": Shard._to_new_shard_dim}
 
 
 @contextlib.contextmanager
@@ -159,6 +174,7 @@ def rank_free():
     Shard._replicate_to_shard = _replicate_to_shard
     _StridedShard._replicate_to_strided_shard = _replicate_to_strided_shard
     placement_types.shard_dim_alltoall = _shard_dim_alltoall
+    Shard._to_new_shard_dim = _to_new_shard_dim
     try:
         yield
     finally:
@@ -166,6 +182,7 @@ def rank_free():
         Shard._replicate_to_shard = _ORIGINAL["shard"]
         _StridedShard._replicate_to_strided_shard = _ORIGINAL["strided"]
         placement_types.shard_dim_alltoall = _ORIGINAL["alltoall"]
+        Shard._to_new_shard_dim = _ORIGINAL["new_dim"]
 
 
 class Reads:
@@ -351,6 +368,15 @@ def recording():
     def read_by(read):
         return lambda fn: property(noting(fn.fget, read)) if isinstance(fn, property) else noting(fn, read)
 
+    def unread(fn):
+        """DTensor's decomposition-based sharding propagation makes one mesh of one rank, rank 0,
+        the same on every rank (``DecompShardingStrategy._get_fake_mesh``): building it reads
+        its own members, not this rank's place."""
+        def wrapped(*args, **kwargs):
+            with _not_noted():
+                return fn(*args, **kwargs)
+        return wrapped
+
     patches = [(DeviceMesh, "get_coordinate", coordinates), (DeviceMesh, "_sym_get_coordinate", read_by(sym_coordinate)),
                (DeviceMesh, "get_local_rank", read_by(local_rank)), (DeviceMesh, "get_rank", read_by(rank)),
                (DeviceMesh, "mesh", read_by(members)), (ProcessGroup, "rank", read_by(rank)),
@@ -358,6 +384,12 @@ def recording():
                (c10d, "get_process_group_ranks", read_by(group_members)),
                (dist, "get_process_group_ranks", read_by(group_members)),
                (dtensor_utils, "_compute_local_shape_and_global_offset", local_shape)]
+    try:
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    except ImportError:  # a torch without decomposition-based propagation
+        pass
+    else:
+        patches.append((DecompShardingStrategy, "_get_fake_mesh", unread))
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for (owner, name, wrap), (_, _, orig) in zip(patches, saved):
         setattr(owner, name, wrap(orig))
