@@ -177,7 +177,7 @@ def _static_stride(v) -> tuple | None:
 
 class _Progress:
     """``compile_graph`` that tells the terminal which graph Inductor compiles and how long it
-    took (rank 0 only, which always compiles its graphs; ``AUTOPAR_QUIET=1`` silences it)."""
+    took, or loaded from the cache (rank 0 only; ``AUTOPAR_QUIET=1`` silences it)."""
 
     def __init__(self, inductor: bool, show: bool, total: int):
         self.inductor, self.total, self.done = inductor, total, 0
@@ -226,52 +226,59 @@ def _graph_key(graphs: StepGraphs) -> str:
     return h.hexdigest()
 
 
-def _compile_order(graphs: StepGraphs, inductor: bool) -> tuple[bool, bool]:
-    """(whether this rank compiles before the others, whether there is an order at all). With
-    several processes, on each machine the first rank of each distinct set of graphs compiles
-    while the ranks with the same graphs wait, and then load Inductor's cached code (a machine's
-    ranks share its cache directory; ``passes/groups.py`` makes the graphs of SPMD ranks the same
-    text); ranks with graphs of their own, and other machines, compile in parallel."""
+_WHAT = {"fw": "forward", "bw": "backward", "bw_input": "backward (input gradients)",
+         "bw_weight": "backward (weight gradients)"}
+
+
+def _first_graphs(graphs: StepGraphs, names: list[str], inductor: bool) -> tuple[list[str], bool]:
+    """(the graphs this rank compiles before the others load them, whether there is such an
+    order). With several processes, on each machine the ranks with the same graphs (the same
+    set of texts: ``passes/groups.py`` makes SPMD ranks' graphs equal) share them out, graph ``i``
+    to the set's rank ``i`` (mod its size), compile their shares side by side, and then load the
+    others' from Inductor's cache (a machine's ranks share its cache directory): the forward and
+    the backward compile at once. A rank whose graphs are its own compiles them all; so does each
+    machine."""
     import socket
 
     import torch.distributed as dist
 
     if not (inductor and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"):
-        return True, False
+        return names, False
     keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, (_graph_key(graphs), socket.gethostname()))
     rank = dist.get_rank()
-    return keys.index(keys[rank]) == rank, True
+    same = [r for r, k in enumerate(keys) if k == keys[rank]]
+    return [n for i, n in enumerate(names) if same[i % len(same)] == rank], True
 
 
 def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
-    """Compile each graph of the step. With several processes, each distinct set of graphs is
-    compiled by one rank first (``_compile_order``); the others load it from Inductor's cache."""
+    """Compile each graph of the step. With several processes, the ranks with the same graphs
+    compile each once between them (``_first_graphs``) and load the rest from Inductor's cache."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    fw, bw = graphs.fw, graphs.bw
     split = graphs.bw_weight is not None
-    first, ordered = _compile_order(graphs, inductor)
-    if ordered and not first:
-        dist.barrier()
-    compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, 3 if split else 2)
+    names = ["fw", "bw_input", "bw_weight"] if split else ["fw", "bw"]  # split: the backward runs as its parts only
+    first, ordered = _first_graphs(graphs, names, inductor)
+    compiled = _Progress(inductor, not dist.is_initialized() or dist.get_rank() == 0, len(names))
+    done = {}
     try:
-        if not split:
-            step = CompiledStep(compiled(graphs, "fw", "forward"), compiled(graphs, "bw", "backward"),
-                                fw, bw, graphs.n_outputs)
-        else:  # the backward runs as its two parts only
-            step = CompiledStep(compiled(graphs, "fw", "forward"), None, fw, bw, graphs.n_outputs)
-            step.n_input_grads = graphs.n_input_grads
-            step.bw_input = compiled(graphs, "bw_input", "backward (input gradients)")
-            step.bw_weight = compiled(graphs, "bw_weight", "backward (weight gradients)")
-            step.bw_weight_strides = [_static_stride(v) for v in _example(graphs.bw_weight)]
+        for n in first:
+            done[n] = compiled(graphs, n, _WHAT[n])
     finally:
-        if ordered and first:
-            dist.barrier()
+        if ordered:
+            dist.barrier()  # also after a failure: the others then meet it compiling that graph
+    for n in names:
+        if n not in done:
+            done[n] = compiled(graphs, n, _WHAT[n])
+    step = CompiledStep(done["fw"], done.get("bw"), graphs.fw, graphs.bw, graphs.n_outputs)
+    if split:
+        step.n_input_grads = graphs.n_input_grads
+        step.bw_input, step.bw_weight = done["bw_input"], done["bw_weight"]
+        step.bw_weight_strides = [_static_stride(v) for v in _example(graphs.bw_weight)]
     step.inductor = inductor
     step.fallbacks = compiled.fallbacks
-    step.bw_strides = [_static_stride(v) for v in _example(bw)]
+    step.bw_strides = [_static_stride(v) for v in _example(graphs.bw)]
     step.compile_s = time.perf_counter() - t0
     log.info("backend: %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)
     return step

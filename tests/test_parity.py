@@ -244,15 +244,22 @@ def test_parity(launch, c):
     (check_mixed if c.get("mp") else check)(_launch(launch)[c["name"]], c["plan"])
 
 
+SHARED = [("plans", n) for n in ("llama-tiny/fsdp4", "llama-tiny/tp4", "llama-tiny/tp2_fsdp2_sp", "llama-tiny/ac_full_fsdp4")] + [
+    ("ep", "hf-mixtral/ep4_fsdp4"), ("ep", "hf-qwen3-moe/ep2_hsdp2x2_ac_full"), ("ep_tp", "hf-mixtral/ep2_tp2_fsdp2"),
+    ("ep_tp", "hf-deepseek-v2/ep2_tp2_fsdp2_sp")]
+
+
 @pytest.mark.slow
-@pytest.mark.xdist_group(GROUP["plans"])
-@pytest.mark.parametrize("name", ["llama-tiny/fsdp4", "llama-tiny/tp4", "llama-tiny/tp2_fsdp2_sp", "llama-tiny/ac_full_fsdp4"])
-def test_ranks_with_the_same_graphs_load_the_passes_one_ran(name):
-    """``passes/shared.py``: under FSDP 4, TP 4, TP 2 x FSDP 2 + SP and FSDP 4 with full AC (whose
-    graphs call operators the AC pass defines as it runs) every rank makes the same graphs, so
-    ranks 1-3 load the graphs rank 0's passes made (or an earlier run's) instead of running the
-    passes (the parity of those cases is the test that they are the right graphs)."""
-    for r in _launch("plans")[name][1:]:
+@pytest.mark.parametrize("launch,name", [pytest.param(launch, n, id=f"{launch}:{n}", marks=pytest.mark.xdist_group(GROUP[launch]))
+                                         for launch, n in SHARED])
+def test_ranks_with_the_same_graphs_load_the_passes_one_ran(launch, name):
+    """``passes/shared.py``: under FSDP 4, TP 4, TP 2 x FSDP 2 + SP, FSDP 4 with full AC (whose
+    graphs call operators the AC pass defines as it runs) and expert parallelism (each rank its
+    own experts: which ones is read at run time; with TP, and with a full recompute) every rank
+    makes the same graphs, so ranks 1-3 load the graphs rank 0's passes made (or an earlier run's)
+    instead of running the passes (the parity of those cases is the test that they are the right
+    graphs)."""
+    for r in _launch(launch)[name][1:]:
         assert "passes (loaded)" in r["timings"] and "distribute" not in r["timings"], (r["name"], r["timings"])
 
 

@@ -200,7 +200,9 @@ def _save(store: str, graphs: StepGraphs, ctx: PassContext, reads) -> None:
     """The graphs, the passes' notes and the runtime's accumulate list, for the ranks ``reads``
     agrees on (written whole, then renamed: a reader never sees half a file)."""
     from torch._guards import detect_fake_mode
-    from torch.fx._graph_pickler import GraphPickler, Options
+    from torch.fx._graph_pickler import Options
+
+    from autopar.passes import graph_pickle
 
     ranks = sorted(reads.ranks())
     name = hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
@@ -208,7 +210,7 @@ def _save(store: str, graphs: StepGraphs, ctx: PassContext, reads) -> None:
     mode = {"allow_non_fake_inputs": bool(getattr(fake, "allow_non_fake_inputs", True))}
     unseeded = ac.unseeded_sources(n.target for gm in _graph_modules(graphs) for n in gm.graph.nodes)
     try:
-        data = GraphPickler.dumps({"graphs": graphs, "notes": ctx.notes, "accumulate": ctx.step.accumulate},
+        data = graph_pickle.Pickler.dumps({"graphs": graphs, "notes": ctx.notes, "accumulate": ctx.step.accumulate},
                                   Options(ops_filter=None))
     except Exception as e:  # noqa: BLE001 - a graph that does not pickle: every rank runs the passes
         log.warning("shared passes: the step graphs do not pickle (%s: %s); other ranks run the passes",
