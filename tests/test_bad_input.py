@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -233,6 +234,10 @@ API_CASES = [
     # Routed experts that score with a sigmoid: the fixed-shape form would train another model.
     ("moe_routing_autopar_does_not_know", lambda: (_sigmoid_moe(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      AutoparError, r"mixture-of-experts block 1 \(SigmoidRouted\) does not compute what autopar's fixed-shape"),
+    # Experts as transformers 5 holds them: every expert's weights in one 3-D parameter.
+    ("moe_experts_as_3d_parameters", lambda: (_batched_experts(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
+     AutoparError, r"the experts 1 \(BatchedExperts\) hold every expert's weights in 3-D parameters \(transformers 5's "
+                    r"experts interface, 'grouped_mm'\).*install 'transformers<5'"),
     # One embedding and one head: nothing repeats, so there is no layer to split or shard.
     ("no_repeated_layers", lambda: (torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)), 1,
                                     {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
@@ -266,6 +271,25 @@ def _mp(param, reduce):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+class BatchedExperts(torch.nn.Module):
+    """Four experts' weights in 3-D parameters, as transformers 5's ``use_experts_implementation``
+    decorates an experts module (its ``_is_expert_parallel`` flag, the config's implementation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 32, 16))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 16))
+        self.config = types.SimpleNamespace(_experts_implementation="grouped_mm")
+        self._is_expert_parallel = False
+
+    def forward(self, x):
+        return x + (x @ self.gate_up_proj[0, :16].T) @ self.down_proj[0].T
+
+
+def _batched_experts():
+    return torch.nn.Sequential(torch.nn.Embedding(32, 16), BatchedExperts())
 
 
 def _sigmoid_moe():
