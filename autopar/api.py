@@ -816,6 +816,7 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     for line in compiled.fallbacks:
         ctx.note("regions", line)
     info.collectives[key] = _collective_records(compiled, mesh)
+    info.compiled_here[key] = compiled.compiled_here
     if key != "forward":  # the forward graph is built at the user's first call, after compile: not its time
         prefix = "" if key == "step" else f"{key} "
         info.notes.update({prefix + k: v for k, v in ctx.notes.items()})

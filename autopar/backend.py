@@ -48,6 +48,8 @@ class CompiledStep:
     inductor: bool = True  # compiled by Inductor (False: the graphs run as they are)
     # Graphs compiled with every layer inline after Inductor failed on their layer calls.
     fallbacks: list = field(default_factory=list)
+    # The graphs this rank compiled for the ranks with the same graphs (the others it loaded).
+    compiled_here: list = field(default_factory=list)
 
 
 def partition(joint: torch.fx.GraphModule, plan, ctx) -> StepGraphs:
@@ -175,6 +177,10 @@ def _static_stride(v) -> tuple | None:
     return st if all(isinstance(x, int) for x in st) else None
 
 
+_WHAT = {"fw": "forward", "bw": "backward", "bw_input": "backward (input gradients)",
+         "bw_weight": "backward (weight gradients)"}
+
+
 class _Progress:
     """``compile_graph`` that tells the terminal which graph Inductor compiles and how long it
     took, or loaded from the cache (rank 0 only; ``AUTOPAR_QUIET=1`` silences it)."""
@@ -184,7 +190,8 @@ class _Progress:
         self.fallbacks: list[str] = []
         self.show = inductor and show and not os.environ.get("AUTOPAR_QUIET")
 
-    def __call__(self, graphs: StepGraphs, name: str, what: str) -> Callable:
+    def __call__(self, graphs: StepGraphs, name: str) -> Callable:
+        what = _WHAT[name]
         self.done += 1
         gm = graphs.to_compile(name)
         if self.show:
@@ -226,10 +233,6 @@ def _graph_key(graphs: StepGraphs) -> str:
     return h.hexdigest()
 
 
-_WHAT = {"fw": "forward", "bw": "backward", "bw_input": "backward (input gradients)",
-         "bw_weight": "backward (weight gradients)"}
-
-
 def _first_graphs(graphs: StepGraphs, names: list[str], inductor: bool) -> tuple[list[str], bool]:
     """(the graphs this rank compiles before the others load them, whether there is such an
     order). With several processes, on each machine the ranks with the same graphs (the same
@@ -264,13 +267,13 @@ def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
     done = {}
     try:
         for n in first:
-            done[n] = compiled(graphs, n, _WHAT[n])
+            done[n] = compiled(graphs, n)
     finally:
         if ordered:
             dist.barrier()  # also after a failure: the others then meet it compiling that graph
     for n in names:
         if n not in done:
-            done[n] = compiled(graphs, n, _WHAT[n])
+            done[n] = compiled(graphs, n)
     step = CompiledStep(done["fw"], done.get("bw"), graphs.fw, graphs.bw, graphs.n_outputs)
     if split:
         step.n_input_grads = graphs.n_input_grads
@@ -278,6 +281,7 @@ def compile_step(graphs: StepGraphs, inductor: bool) -> CompiledStep:
         step.bw_weight_strides = [_static_stride(v) for v in _example(graphs.bw_weight)]
     step.inductor = inductor
     step.fallbacks = compiled.fallbacks
+    step.compiled_here = first
     step.bw_strides = [_static_stride(v) for v in _example(graphs.bw)]
     step.compile_s = time.perf_counter() - t0
     log.info("backend: %s in %.1fs", "Inductor" if inductor else "eager", step.compile_s)

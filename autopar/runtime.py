@@ -493,6 +493,8 @@ class CompileInfo:
     timings: dict[str, float] = field(default_factory=dict)
     tied: list = field(default_factory=list)
     compile_s: float | None = None
+    # By graph set, the graphs this rank compiled (the ranks with the same graphs share them out)
+    compiled_here: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -749,8 +751,9 @@ class ParallelModule(nn.Module):
         # An optimizer that has not stepped gets its state (the entries the load fills) from
         # torch only where no parameter holds a gradient; otherwise its moments would silently
         # stay unloaded. The gradients are set aside for that and put back.
-        held = [(q, q.grad) for g in (optimizer.param_groups if optimizer is not None and not optimizer.state else ())
-                for q in g["params"] if q.grad is not None]
+        held = []
+        if optimizer is not None and not optimizer.state:
+            held = [(q, q.grad) for g in optimizer.param_groups for q in g["params"] if q.grad is not None]
         for q, _ in held:
             q.grad = None
         try:

@@ -357,7 +357,8 @@ class _RoutedForm:
 def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedExperts]:
     """Before a model with routed experts trains in the fixed-shape form, prove on its own weights
     that the form computes what the block's own forward computes (random tokens, both outputs);
-    a block that routes otherwise is refused rather than trained as a different model."""
+    a block that routes otherwise is refused rather than trained as a different model, and so are
+    experts held as 3-D parameters (transformers 5), which the form does not read."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 

@@ -222,8 +222,12 @@ def _launch(name: str) -> dict:
             atexit.register(shutil.rmtree, root, True)
             dirs = {s: os.path.join(root, s.replace("/", "_")) for s, _ in pairs}
             loads = {d: dirs[s] for s, d in pairs}
-            cases = [{**c, **({"save_ckpt": dirs[c["name"]]} if c["name"] in dirs else {}),
-                      **({"load_ckpt": loads[c["name"]]} if c["name"] in loads else {})} for c in cases]
+            cases = [dict(c) for c in cases]
+            for c in cases:
+                if c["name"] in dirs:
+                    c["save_ckpt"] = dirs[c["name"]]
+                if c["name"] in loads:
+                    c["load_ckpt"] = loads[c["name"]]
             CKPT_DIRS.update(dirs)
         _results[name] = _by_name(world, cases)
     return _results[name]
@@ -261,6 +265,16 @@ def test_ranks_with_the_same_graphs_load_the_passes_one_ran(launch, name):
     graphs)."""
     for r in _launch(launch)[name][1:]:
         assert "passes (loaded)" in r["timings"] and "distribute" not in r["timings"], (r["name"], r["timings"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(GROUP["plans"])
+@pytest.mark.parametrize("name", ["llama-tiny/fsdp4", "llama-tiny/tp2_fsdp2_sp"])
+def test_ranks_with_the_same_graphs_compile_them_side_by_side(name):
+    """``backend.compile_step``: the four ranks' graphs are the same, so rank 0 compiles the
+    forward, rank 1 the backward, and each loads the other from Inductor's cache."""
+    got = [r["compiled_here"]["step"] for r in _launch("plans")[name]]
+    assert got == [["fw"], ["bw"], [], []], got
 
 
 def check_mixed(per_rank: list[dict], plan) -> None:
