@@ -840,8 +840,8 @@ def _collective_records(compiled, mesh) -> list[dict]:
             if r["pass"] == "?":
                 r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp", "cp": "cp",
                              "dp_shard_cp": "ddp" if r["kind"].startswith("all_reduce") else "fsdp"}.get(r["dim"], "?")
-                if r["kind"] == "all_to_all_single" and r["dim"] in ("cp", "dp_shard_cp"):
-                    r["pass"] = "cp"  # the query/output swap (data parallelism has no all-to-all)
+                if r["kind"] == "mirror_swap":
+                    r["pass"] = "cp"  # the query/output swap
             recs.append(r)
     return recs
 

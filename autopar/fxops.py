@@ -36,9 +36,11 @@ ATTENTION_OPS = (_aten._scaled_dot_product_flash_attention_for_cpu.default,
                  _aten._scaled_dot_product_efficient_attention.default,
                  _aten._scaled_dot_product_cudnn_attention.default)
 SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
-# The functional collectives the passes insert (``_c10d_functional``), by op name.
+# The collectives the passes insert, by op name: the functional ones (``_c10d_functional``) and
+# context parallelism's exchange with the mirror rank (``autopar::mirror_swap``, passes/cp.py).
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
-               "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_to_all_single")
+               "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_to_all_single",
+               "mirror_swap")
 
 
 # A node annotation (``custom`` meta): the typical value of the data-dependent size the node

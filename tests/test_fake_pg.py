@@ -59,15 +59,15 @@ def test_context_parallel_collectives_are_the_priced_ones():
     got, nbytes, plan = d["got"], d["bytes"], d["plan"]
     layers = 2
     for key in ("forward:all_gather_into_tensor:4:cp", "backward:all_gather_into_tensor:4:cp",
-                "backward:reduce_scatter_tensor:4:cp", "forward:all_to_all_single:4:cp", "backward:all_to_all_single:4:cp"):
+                "backward:reduce_scatter_tensor:4:cp", "forward:mirror_swap:4:cp", "backward:mirror_swap:4:cp"):
         assert got[key] == 2 * layers, (key, got)
     kv = 1 * 256 * 1 * 128 * 2  # batch 1 x 256 tokens x one kv head x head dim 128, bf16
     assert nbytes["forward:all_gather_into_tensor:4:cp"] == 2 * layers * kv
     priced = {k.split(":")[1]: int(k.split(":")[2]) * v for k, v in plan.items() if k.startswith("cp:")}
     assert priced["all_gather"] == nbytes["forward:all_gather_into_tensor:4:cp"] + nbytes["backward:all_gather_into_tensor:4:cp"]
     assert priced["reduce_scatter"] == 4 * nbytes["backward:reduce_scatter_tensor:4:cp"]  # recorded: each rank's part
-    # the swap: priced as the half each rank sends; all_to_all_single's buffer is that half
-    assert priced["send_recv"] == nbytes["forward:all_to_all_single:4:cp"] + nbytes["backward:all_to_all_single:4:cp"]
+    # the swap: priced as the half each rank sends; the exchange's buffer is that half
+    assert priced["send_recv"] == nbytes["forward:mirror_swap:4:cp"] + nbytes["backward:mirror_swap:4:cp"]
     assert got["backward:reduce_scatter_tensor:8:fsdp"] >= layers
 
 
@@ -114,12 +114,30 @@ def test_expert_parallel_groups_compile_the_same_graphs():
     assert d[0]["key"] == d[1]["key"], d
 
 
+def test_context_parallel_ranks_compile_the_same_graphs():
+    """Llama under CP 4: ranks 0 and 3 compute other query rows (chunks 0 and 7, 6 and 1 of 8)
+    and swap half their queries with each other, yet their graphs are the same text: the rows
+    are worked out from the rank read at run time (one read per attention, forward and
+    backward) and the swap's partner is found when it runs (``cp.mirror_swap``)."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "fake_pg_same_graphs.py")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    procs = [subprocess.Popen([sys.executable, script, str(r), "cp"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in (0, 3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    d = [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
+    assert d[0]["reads"] >= 2, d  # the zoo's Llama has two layers
+    assert d[0]["key"] == d[1]["key"], d
+
+
 def test_reads_of_a_ranks_place_are_noted():
     """What ``coords.recording`` notes while the passes run, on rank 0 of a (dp 2, tp 2) fake
     mesh: the graphs traced there are shared with exactly the ranks every read agrees on
     (``passes/shared.py``). A membership test, the whole mesh's members, an even shard's shape
+    (also as DTensor's redistribution planner works it out for a value split over both dims)
     and the rank read at run time read nothing; an index into the coordinates, a local rank or a
-    submesh's members read one dim; the global rank, all of them."""
+    submesh's members read one dim; the global rank and an uneven nested split, all of them."""
     script = os.path.join(os.path.dirname(__file__), "scripts", "coordinate_reads.py")
     r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
@@ -129,7 +147,8 @@ def test_reads_of_a_ranks_place_are_noted():
     assert got == {"membership test": everyone, "tp coordinate by index": same_tp, "every coordinate": [0],
                    "dp local rank": same_dp, "tp submesh members": same_dp, "whole mesh members": everyone,
                    "global rank": [0], "even shard shape": everyone, "uneven shard shape": same_tp,
-                   "shard offset": same_tp, "run-time rank": everyone, "discharged": everyone}
+                   "shard offset": same_tp, "run-time rank": everyone, "discharged": everyone,
+                   "even nested shard redistributed": everyone, "uneven nested shard redistributed": [0]}
 
 
 def test_eager_attention_runs_on_each_ranks_heads():

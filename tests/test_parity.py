@@ -250,7 +250,8 @@ def test_parity(launch, c):
 
 SHARED = [("plans", n) for n in ("llama-tiny/fsdp4", "llama-tiny/tp4", "llama-tiny/tp2_fsdp2_sp", "llama-tiny/ac_full_fsdp4")] + [
     ("ep", "hf-mixtral/ep4_fsdp4"), ("ep", "hf-qwen3-moe/ep2_hsdp2x2_ac_full"), ("ep_tp", "hf-mixtral/ep2_tp2_fsdp2"),
-    ("ep_tp", "hf-deepseek-v2/ep2_tp2_fsdp2_sp")]
+    ("ep_tp", "hf-deepseek-v2/ep2_tp2_fsdp2_sp")] + [
+    ("cp", n) for n in ("hf-llama/cp4", "hf-llama/cp2_tp2_sp", "gpt-tiny/cp2_fsdp2")]
 
 
 @pytest.mark.slow
@@ -259,10 +260,11 @@ SHARED = [("plans", n) for n in ("llama-tiny/fsdp4", "llama-tiny/tp4", "llama-ti
 def test_ranks_with_the_same_graphs_load_the_passes_one_ran(launch, name):
     """``passes/shared.py``: under FSDP 4, TP 4, TP 2 x FSDP 2 + SP, FSDP 4 with full AC (whose
     graphs call operators the AC pass defines as it runs) and expert parallelism (each rank its
-    own experts: which ones is read at run time; with TP, and with a full recompute) every rank
-    makes the same graphs, so ranks 1-3 load the graphs rank 0's passes made (or an earlier run's)
-    instead of running the passes (the parity of those cases is the test that they are the right
-    graphs)."""
+    own experts: which ones is read at run time; with TP, and with a full recompute) and context
+    parallelism (each rank its own query rows and swap partner, read at run time; with TP, and
+    with FSDP) every rank makes the same graphs, so ranks 1-3 load the graphs rank 0's passes made
+    (or an earlier run's) instead of running the passes (the parity of those cases is the test
+    that they are the right graphs)."""
     for r in _launch(launch)[name][1:]:
         assert "passes (loaded)" in r["timings"] and "distribute" not in r["timings"], (r["name"], r["timings"])
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autopar.passes import GATHERED_INPUT, PassContext
-from autopar.passes.cp import KV_GATHERED
+from autopar.passes.cp import KV_GATHERED, MIRROR_SWAP
 from autopar.passes.ep import WEIGHTS as EP_WEIGHTS
 
 _aten = torch.ops.aten
@@ -110,7 +110,8 @@ def recompute_policy(n: torch.fx.Node, mode: str):
 
 
 def _is_collective(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+    return isinstance(target, torch._ops.OpOverload) and (target.namespace == "_c10d_functional"
+                                                          or target is MIRROR_SWAP)
 
 
 def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.GraphModule:

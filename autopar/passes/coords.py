@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import placement_types
+from torch.distributed.tensor import _redistribute, placement_types
 from torch.distributed.tensor.placement_types import Shard, _MaskPartial, _StridedShard
 
 _DEVICE_COORDS: dict = {}  # (rank, device) -> that rank as a 0-d int64 tensor on that device
@@ -162,9 +162,51 @@ def _to_new_shard_dim(self, local_tensor: torch.Tensor, mesh, mesh_dim: int, cur
     return Shard._unpad_for_new_shard_dim(current_logical_shape, moved, n, self.dim, new_shard_dim, 0)
 
 
+def _even(shape, splits) -> bool:
+    """Whether splitting ``shape`` by ``splits`` ((tensor dim, parts), in order) is even at every
+    step: then every rank's local shape is the same, whatever its coordinates."""
+    shape = list(shape)
+    for dim, parts in splits:
+        if not isinstance(shape[dim], int) or shape[dim] % parts:
+            return False
+        shape[dim] //= parts
+    return True
+
+
+def _parts(placement, mesh, mesh_dim: int) -> int:
+    return mesh.size(mesh_dim) * (placement._split_factor_int() if isinstance(placement, _StridedShard) else 1)
+
+
+def _logical_shape(self, src_state, mesh_dim: int, full_tensor_shape) -> list:
+    """``DTensorRedistributePlanner.get_logical_shape`` (a value's shape on a mesh dim, sharded
+    over the others), which DTensor works out from the rank's coordinates on the other dims:
+    where each of them splits evenly, every rank's shape is the same, so that read is not noted."""
+    mesh = self.device_mesh
+    splits = [(e.tensor_dim, _parts(src_state.placements[d], mesh, d))
+              for e in src_state.tensor_dim_to_mesh_dim for d in e.mesh_dims if d != mesh_dim]
+    if not _even(full_tensor_shape, splits):
+        return _ORIGINAL["logical"](self, src_state, mesh_dim, full_tensor_shape)
+    with _not_noted():
+        return _ORIGINAL["logical"](self, src_state, mesh_dim, full_tensor_shape)
+
+
+def _greedy_transforms(self, src_spec, dst_spec) -> list:
+    """``DTensorRedistributePlanner.generate_greedy_transform_infos``, which reads the rank's
+    coordinate on each sharded mesh dim but the last for the shape left there: not noted where
+    each of those splits is even (every rank's shapes the same)."""
+    mesh = self.device_mesh
+    splits = [(p.dim, _parts(p, mesh, i)) for i, p in enumerate(src_spec.placements[:-1]) if isinstance(p, Shard)]
+    if not _even(src_spec.shape, splits):
+        return _ORIGINAL["greedy"](self, src_spec, dst_spec)
+    with _not_noted():
+        return _ORIGINAL["greedy"](self, src_spec, dst_spec)
+
+
+_PLANNER = _redistribute.DTensorRedistributePlanner
 _ORIGINAL = {"mask": _MaskPartial._partition_value, "shard": Shard._replicate_to_shard,
              "strided": _StridedShard._replicate_to_strided_shard, "alltoall": placement_types.shard_dim_alltoall,
-             "new_dim": Shard._to_new_shard_dim}
+             "new_dim": Shard._to_new_shard_dim, "logical": _PLANNER.get_logical_shape,
+             "greedy": _PLANNER.generate_greedy_transform_infos}
 
 
 @contextlib.contextmanager
@@ -175,9 +217,13 @@ def rank_free():
     _StridedShard._replicate_to_strided_shard = _replicate_to_strided_shard
     placement_types.shard_dim_alltoall = _shard_dim_alltoall
     Shard._to_new_shard_dim = _to_new_shard_dim
+    _PLANNER.get_logical_shape = _logical_shape
+    _PLANNER.generate_greedy_transform_infos = _greedy_transforms
     try:
         yield
     finally:
+        _PLANNER.get_logical_shape = _ORIGINAL["logical"]
+        _PLANNER.generate_greedy_transform_infos = _ORIGINAL["greedy"]
         _MaskPartial._partition_value = _ORIGINAL["mask"]
         Shard._replicate_to_shard = _ORIGINAL["shard"]
         _StridedShard._replicate_to_strided_shard = _ORIGINAL["strided"]

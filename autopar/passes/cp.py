@@ -14,7 +14,8 @@ Two ops are replayed here instead of by DTensor's rules:
   ``2r + 1``, and swaps its second chunk's queries (and back, their outputs) with rank
   ``cp - 1 - r``, so it computes chunks ``2r`` and ``2 cp - 1 - 2r``: the same number of
   query-key pairs on every rank (torchtitan's head-tail balance, per layer, with the
-  activations kept in sequence order).
+  activations kept in sequence order). ``r`` and the partner are read when the step runs
+  (``coords.group_rank``, ``mirror_swap``), so every cp rank's graph is the same and compiles once.
 - the **mean cross-entropy** (``nll_loss_forward`` with mean reduction) over split tokens: the
   sum over each rank's tokens divided by the count of counted tokens of the whole batch, which
   stays the single-process mean when ``ignore_index`` tokens are unevenly spread (DTensor's own
@@ -29,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -37,6 +37,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.operator_schemas import normalize_function
 
 from autopar.fxops import additive_mask
+from autopar.passes import coords
 
 _aten = torch.ops.aten
 
@@ -116,15 +117,49 @@ def sent(o, am: ActMesh, seq: int):
     return o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local() if isinstance(o, DTensor) else o
 
 
-def _swap(x: torch.Tensor, partner: int, group) -> torch.Tensor:
-    """``x`` (batch, heads, rows, dim) exchanged with rank ``partner`` of ``group`` (itself
-    allowed), differentiably: the backward swaps the gradients back."""
-    n = group.size()
-    rows = x.shape[2]
-    splits = [rows if j == partner else 0 for j in range(n)]
-    t = x.transpose(0, 2).contiguous()  # all_to_all splits dim 0
-    t = funcol.all_to_all_single_autograd(t, splits, splits, group)
-    return t.transpose(0, 2)
+@torch.library.custom_op("autopar::mirror_swap", mutates_args=())
+def mirror_swap(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x`` exchanged with the rank at the mirror place of process group ``group_name`` (rank
+    ``r`` with ``n - 1 - r``; the middle rank of an odd group keeps its own), along dim 0: one
+    all-to-all whose only nonempty split is the partner's. The partner is read when it runs, so
+    every rank's graph holds the same call (the group name is last, as a collective's, for
+    ``passes/groups.py``). It returns when the exchange is done (no wait to schedule)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group_name)
+    n, r = pg.size(), pg.rank()
+    partner = n - 1 - r
+    if partner == r:
+        return x.clone()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    splits = [x.shape[0] if j == partner else 0 for j in range(n)]
+    dist.all_to_all_single(out, x, splits, splits, group=pg)
+    return out
+
+
+@mirror_swap.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _mirror_swap_backward(ctx, grad):
+    return mirror_swap(grad, ctx.group_name), None  # the exchange is its own inverse
+
+
+def _mirror_swap_setup(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+mirror_swap.register_autograd(_mirror_swap_backward, setup_context=_mirror_swap_setup)
+MIRROR_SWAP = torch.ops.autopar.mirror_swap.default
+
+
+def _swap(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x`` (batch, heads, rows, dim) exchanged with the mirror rank of the group (``mirror_swap``
+    along the rows), differentiably: the backward swaps the gradients back."""
+    return mirror_swap(x.transpose(0, 2).contiguous(), group_name).transpose(0, 2)
 
 
 def _local_mask(mask, q: DTensor, am: ActMesh) -> torch.Tensor | None:
@@ -195,7 +230,7 @@ def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor
     # Contiguous first: a DTensor's global strides must describe its local tensor (a reshape in
     # the backward decides by them), and the gradients that come back here are made contiguous.
     q, k, v = (t.contiguous() if isinstance(t, DTensor) else t for t in (q, k, v))
-    cp, r = am.size("cp"), am.mesh.get_local_rank(ci)
+    cp = am.size("cp")
     S = q.shape[2]
     c = S // (2 * cp)
     # Keys and values of the whole sequence; each rank's gradient for them is a partial sum
@@ -209,12 +244,15 @@ def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor
             local = _ContiguousGrad.apply(whole.to_local(grad_placements=am.with_dim(whole.placements, "cp", Partial())))
             kv.append(local.repeat_interleave(n, dim=1) if n > 1 else local)
     kl, vl = kv
-    group = am.mesh.get_group(ci)
-    partner = cp - 1 - r
+    group = am.mesh.get_group(ci).group_name
     ql = _ContiguousGrad.apply(q.to_local())
-    qb = torch.cat([ql.narrow(2, 0, c), _swap(ql.narrow(2, c, c), partner, group)], 2)
-    rows = torch.cat([torch.arange(2 * r * c, (2 * r + 1) * c, device=ql.device),
-                      torch.arange((2 * partner + 1) * c, (2 * partner + 2) * c, device=ql.device)])
+    qb = torch.cat([ql.narrow(2, 0, c), _swap(ql.narrow(2, c, c), group)], 2)
+    # The query rows this rank computes: chunk 2r and the mirror rank's second, 2cp - 1 - 2r,
+    # r (the rank in the cp group, its mesh coordinate there) read when the step runs, as the
+    # swap reads its partner: every cp rank's graph the same.
+    r = coords.group_rank(ql, group)
+    step = torch.arange(c, device=ql.device)
+    rows = torch.cat([step + 2 * c * r, step + (2 * cp - 1) * c - 2 * c * r])
     mask = _local_mask(a.get("attn_mask", a.get("attn_bias")), q, am)
     if mask is not None:
         if mask.dim() >= 2 and mask.shape[-2] == S:
@@ -229,7 +267,7 @@ def attention(target, args: tuple, kwargs: dict, am: ActMesh, like: torch.Tensor
     else:
         out = F.scaled_dot_product_attention(qb, kl, vl, attn_mask=mask, dropout_p=dropout, scale=scale,
                                              enable_gqa=kl.shape[1] != qb.shape[1])
-    out = _laid_out_as(torch.cat([out.narrow(2, 0, c), _swap(out.narrow(2, c, c), partner, group)], 2), like)
+    out = _laid_out_as(torch.cat([out.narrow(2, 0, c), _swap(out.narrow(2, c, c), group)], 2), like)
     return (DTensor.from_local(out, am.mesh, q.placements, run_check=False, shape=like.shape, stride=like.stride()),
             *([None] * (n_out - 1)))
 

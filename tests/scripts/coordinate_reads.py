@@ -7,7 +7,7 @@ import json
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -25,6 +25,20 @@ def run_time_rank_traced():
     return make_fx(lambda x: coords.run_time_rank(x, mesh, 1) + x, tracing_mode="fake")(torch.zeros(1))
 
 
+def nested_shard_redistributed(rows: int):
+    """A (rows, 4) value split on dim 0 over dp, then over tp, made whole on dp, traced on fake
+    tensors: DTensor's planner works out the shape left on each dim from the rank's coordinates."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(local):
+        x = DTensor.from_local(local, mesh, [Shard(0), Shard(0)], run_check=False, shape=torch.Size((rows, 4)),
+                               stride=(4, 1))
+        return x.redistribute(mesh, [Replicate(), Shard(0)]).to_local()
+
+    with coords.rank_free():
+        make_fx(step, tracing_mode="fake")(torch.zeros(-(-rows // 4), 4))
+
+
 probes = {
     "membership test": lambda: mesh.get_coordinate() is None,
     "tp coordinate by index": lambda: mesh.get_coordinate()[1],
@@ -37,6 +51,8 @@ probes = {
     "uneven shard shape": lambda: compute_local_shape_and_global_offset((7, 4), tp, [Shard(0)], skip_offset=True),
     "shard offset": lambda: compute_local_shape_and_global_offset((8, 4), tp, [Shard(0)]),
     "run-time rank": lambda: run_time_rank_traced(),
+    "even nested shard redistributed": lambda: nested_shard_redistributed(8),
+    "uneven nested shard redistributed": lambda: nested_shard_redistributed(7),
 }
 for name, probe in probes.items():
     with coords.recording() as reads:

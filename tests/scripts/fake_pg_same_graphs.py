@@ -1,9 +1,10 @@
 """On a fake process group of 4 ranks, GPT (vocabulary-split embedding and loss, learned
 positions, TP 2 x FSDP 2 + SP) compiled as the rank given, or with ``ep`` as the second argument
-Mixtral under ep 2 x HSDP 2x2 (two ep groups): print the key of the graphs the rank hands Inductor
+Mixtral under ep 2 x HSDP 2x2 (two ep groups), with ``cp`` Llama under CP 4 (each rank its own
+query rows, swapped with the mirror rank): print the key of the graphs the rank hands Inductor
 (``backend._graph_key``, what decides who compiles) and how many ops read the rank at run time.
 Default options; the graphs are recorded where Inductor would get them.
-Usage: fake_pg_same_graphs.py RANK [ep]"""
+Usage: fake_pg_same_graphs.py RANK [ep|cp]"""
 import json
 import sys
 
@@ -32,6 +33,11 @@ if sys.argv[2:] == ["ep"]:
 
     model, plan = zoo.build("hf-mixtral"), {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1, "mb": 2}
     ids = torch.randint(0, 200, (8, 16))
+elif sys.argv[2:] == ["cp"]:
+    from tests import zoo
+
+    model, plan = zoo.build("hf-llama"), {"cp": 4}
+    ids = torch.randint(0, 200, (2, 64))
 else:
     model, plan = models.GPT(models.PRESETS["gpt-tiny"]), {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
     ids = torch.randint(0, model.config.vocab_size, (8, 32))
