@@ -391,12 +391,14 @@ def estimate_plan(
     if "dp_overlap" in kv and fsdp:
         raise AutoparError("dp_overlap describes the all-reduce of data parallelism without FSDP: drop fsdp=1 "
                            "(FSDP's collectives overlap per layer) or drop dp_overlap")
+    if kv.get("ep_overlap") and kv.get("ep", 1) == 1:
+        raise AutoparError("ep_overlap describes expert parallelism's all-to-alls: add ep=N (or drop ep_overlap)")
     cfg = Config(
         tp=tp, pp=pp, dp=dp, dp_shard=kv.get("dp_shard", dp) if fsdp else 1, sp=kv.get("sp", False),
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
         schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
         fsdp_once=kv.get("once", ""), fsdp_unit=kv.get("unit", "layer"), dp_overlap=kv.get("dp_overlap", True),
-        cp=cp, prefetch=kv.get("prefetch", 1), ep=kv.get("ep", 1),
+        cp=cp, prefetch=kv.get("prefetch", 1), ep=kv.get("ep", 1), ep_overlap=kv.get("ep_overlap", False),
     )
     validate_config(ctx, cfg, priced_only=True)
     sm = StageModel(ctx, cfg)

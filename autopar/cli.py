@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--plan", required=True, help='e.g. "tp=8,pp=8,dp=1,sp=1,fsdp=0,mb=2,ac=full,schedule=interleaved,v=4"; '
                     "keys: " + ", ".join(sorted(PIN_KEYS)) + "; once=gather (ZeRO-1, which autopar runs); how another framework "
                     "ran: once=reduce (FSDP under PP, gradients reduced once per step), unit=tensor (one FSDP gather per tensor), dp_overlap=0 (gradient all-reduce "
-                    "after the backward), cp=N (context parallelism: each sequence over N ranks)")
+                    "after the backward), ep_overlap=1 (the expert all-to-alls under another microbatch's compute, DeepSeek's "
+                    "DualPipe), cp=N (context parallelism: each sequence over N ranks)")
     es.add_argument("-o", "--output", default=None, help="save the plan JSON here")
 
     sh = sub.add_parser("show", help="explain a saved plan JSON without searching again")

@@ -51,6 +51,8 @@ TORCHTITAN_PRESET = {
 
 
 def hardware_of(gpu: str) -> str:
+    if gpu.startswith("H800"):
+        return "h800"
     if gpu.startswith("H100 96GB"):
         return "h100-96gb-500w"
     if gpu.startswith("H100"):
@@ -67,7 +69,7 @@ def source_key(source: str) -> str:
     s = source.lower()
     for key, name in (("torchtitan", "torchtitan"), ("2104.04473", "megatron-sc21"), ("2205.05198", "megatron-sp"),
                       ("2201.11990", "mt-nlg"), ("bloom", "bloom"), ("opt:", "opt"), ("llama 3", "llama3"),
-                      ("gopher", "gopher"), ("palm", "palm")):
+                      ("gopher", "gopher"), ("palm", "palm"), ("deepseek-v3", "deepseek-v3")):
         if key in s:
             return name
     return source.split(",")[0][:24]
@@ -84,6 +86,13 @@ def profiled(model_key: tuple, seq: int):
                                   vocab_size=vocab, max_seq_len=seq)
         src = models.ModelSource(f"llama-h{h}-l{layers}", lambda: models.Llama(lcfg), seq, vocab)
         return api.profile_model(src, seq_len=seq).profile
+    if kind == "hf":  # the published config.json, traced as `autopar explain config.json` traces it
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(prefix="autopar-reference-"), "config.json")
+        with open(path, "w") as f:
+            f.write(model_key[1])
+        return api.profile_model(path, seq_len=seq).profile
     _, h, heads, layers, vocab, tied = model_key
     cfg = models.GPTConfig(h, layers, heads, vocab, seq, tie_embeddings=tied)
     src = models.ModelSource(f"gpt-h{h}-l{layers}", lambda: models.GPT(cfg), seq, vocab)
@@ -95,6 +104,8 @@ def model_key(m: dict) -> tuple | None:
         return ("preset", TORCHTITAN_PRESET[(m["name"], m["layers"])])
     if m.get("arch") == "gpt":
         return ("gpt", m["hidden"], m["heads"], m["layers"], m["vocab"], True)
+    if m.get("arch") == "hf":
+        return ("hf", json.dumps(m["hf_config"], sort_keys=True))
     shape = [m.get(k) for k in ("hidden", "heads", "kv_heads", "ffn_hidden", "layers", "vocab")]
     if (m.get("arch") in (None, "llama") and all(isinstance(v, int) and v > 0 for v in shape)
             and shape[0] % shape[1] == 0 and shape[1] % shape[2] == 0):
@@ -174,18 +185,21 @@ def runs() -> list[tuple[dict, dict | None]]:
             ac = c["activation_recompute"]
             sp = bool(c.get("sequence_parallel"))
             reshard = c.get("reshard_after_forward", True)
-            once = "gather" if c.get("zero_stage") == 2 else ""  # sharded between steps, gathered within one
+            once = "gather" if c.get("zero_stage") in (1, 2) else ""  # sharded between steps, gathered within one
             compiled = True  # Megatron's fused kernels (softmax, bias+GeLU, layer norm) fuse as Inductor does
         ac = {"selective": "selective", "full": "full"}.get(ac, "none")
+        # DeepSeek's DualPipe (bidirectional, two chunks a rank) is priced as 1F1B: autopar has no
+        # such schedule, and its bubble is the larger; what DualPipe overlaps is ``ep_overlap``.
         sched = (c.get("pp_schedule") or "1f1b").lower()
         sched = "interleaved" if "interleaved" in sched else ("gpipe" if "gpipe" in sched else "1f1b")
         v = _virtual_stages(c, m["layers"], pp) if sched == "interleaved" and pp > 1 else 1
         spec = {
             "model": key, "seq": m["seq_len"], "hardware": hardware_of(h["gpu"]),
-            "cfg": Config(tp=c["tp"], pp=pp, dp=c["dp"], dp_shard=c["dp"] if c["fsdp"] else 1, sp=sp,
+            "cfg": Config(tp=c["tp"], pp=pp, dp=c["dp"], dp_shard=(c.get("dp_shard") or c["dp"]) if c["fsdp"] else 1, sp=sp,
                           fsdp=bool(c["fsdp"]), mb=mb, schedule=sched if pp > 1 else "1f1b", v=v, reshard=reshard,
                           fsdp_once=once if c["fsdp"] else "", fsdp_unit=c.get("fsdp_unit", "layer"),
-                          dp_overlap=c.get("dp_overlap", True), cp=c.get("cp") or 1),
+                          dp_overlap=c.get("dp_overlap", True), cp=c.get("cp") or 1, ep=c.get("ep") or 1,
+                          ep_overlap=bool(c.get("ep_overlap"))),
             # Row-wise scaled Float8 runs at bf16 speed in these tables (its scaling costs what
             # the fp8 matmuls save); tensor-wise Float8 doubles the matmul peak.
             "global_batch": local * c["dp"], "ac": ac, "fp8": "float8" in prec and "row" not in prec,

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from autopar import api, traceable
 from autopar.analysis import KIND_MATMUL
+from autopar.cost_models.step import Config, StageModel
 from autopar.errors import AutoparError, TraceError
 from tests import zoo
 
@@ -383,6 +384,38 @@ def test_ep_imbalance_prices_the_busiest_rank():
     assert not even.notes and "2x the mean rows" in skew.notes[0]
     with pytest.raises(AutoparError, match="at least 1"):
         price(0.5)
+
+
+def test_ep_overlap_hides_the_all_to_alls_behind_the_layer_compute():
+    """``ep_overlap=1`` (``autopar estimate`` only: DeepSeek's DualPipe runs a forward and a
+    backward chunk together): the expert all-to-alls count only where they outlast the layer's
+    computation, per layer and microbatch; the planner and ``autopar.compile`` refuse it, as
+    autopar's executor runs them exposed."""
+    from autopar import api
+
+    m = zoo.build("hf-mixtral")
+    xs, _ = zoo.example("hf-mixtral", 1, B=8, S=32)
+    prof = api.profile_model(m, example_inputs=xs)
+
+    def layer_parts(overlap, hardware):
+        ctx = api.make_context(prof.profile, world=4, hardware=hardware, global_batch=8, precision="bf16")
+        cfg = Config(dp=4, dp_shard=4, fsdp=True, mb=2, ep=4, ep_overlap=overlap)
+        return StageModel(ctx, cfg).coeffs.parts
+
+    hid = []
+    for hardware in ("h100", "cpu-gloo"):
+        exposed, hidden = layer_parts(False, hardware), layer_parts(True, hardware)
+        for ac in ("none", "full"):
+            e, h = exposed[ac], hidden[ac]
+            assert e["ep_comm"] > 0 and {k: v for k, v in e.items() if k != "ep_comm"} == \
+                {k: v for k, v in h.items() if k != "ep_comm"}
+            assert h["ep_comm"] == pytest.approx(max(0.0, e["ep_comm"] - e["compute"] - e["recompute"]))
+        hid.append(hidden["none"]["ep_comm"] == 0.0)
+    assert hid == [False, True]  # on h100 they outlast the tiny layer's matmuls; on this CPU they do not
+    with pytest.raises(AutoparError, match="add ep=N"):
+        api.estimate_plan(m, 4, "dp=4,fsdp=1,ep_overlap=1", global_batch=8, profiled=prof)
+    with pytest.raises(AutoparError, match="ep_overlap=True is priced by `autopar estimate` only"):
+        api.plan(m, 4, pin="ep=4,ep_overlap=1", global_batch=8, profiled=prof)
 
 
 def test_ep_rank_reads_only_its_own_experts_weights():

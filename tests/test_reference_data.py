@@ -39,3 +39,15 @@ def test_every_priced_run_maps_to_a_configuration():
     for row, spec in priced:
         assert spec["cfg"].world == row["gpus"], row
         assert spec["global_batch"] % (spec["cfg"].dp * spec["cfg"].mb) == 0, row
+
+
+def test_deepseek_v3_is_priced_as_it_ran():
+    """DeepSeek-V3's pre-training (a HuggingFace config.json, traced as `autopar explain` traces
+    it): PP 16, EP 64 over the 128 data-parallel ranks (two replicas of each expert), ZeRO-1 (the
+    optimizer sharded, the weights gathered once per step), FP8 GEMMs, DualPipe's all-to-alls
+    under the other chunk's compute; the throughput from 14.8T tokens in 2.664M GPU hours."""
+    row, spec = next((r, s) for r, s in rr.runs() if r["model"] == "DeepSeek-V3")
+    cfg = spec["cfg"]
+    assert (cfg.pp, cfg.ep, cfg.dp, cfg.dp_shard, cfg.tp, cfg.fsdp_once, cfg.ep_overlap) == (16, 64, 128, 64, 1, "gather", True)
+    assert spec["fp8"] and spec["hardware"] == "h800" and spec["model"][0] == "hf"
+    assert row["published"] == pytest.approx(14.8e12 / (2.664e6 * 3600))

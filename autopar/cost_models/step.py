@@ -105,6 +105,12 @@ class Config:
     # data-parallel ranks (``ep`` divides ``dp``), each token's rows sent to their experts' ranks
     # and back by all-to-alls (passes/ep.py).
     ep: int = 1
+    # Whether those all-to-alls run under another microbatch's computation (DeepSeek-V3's
+    # DualPipe pairs a forward chunk with a backward chunk, each one's all-to-alls hidden by the
+    # other's matmuls), exposed only where they outlast the layer's compute; autopar's executor
+    # runs them between the layer's computations, exposed. Priced for published runs; the search
+    # never sets it.
+    ep_overlap: bool = False
 
     @property
     def world(self) -> int:
@@ -122,7 +128,7 @@ class Config:
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
                 int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit,
-                int(self.dp_overlap), self.cp, self.prefetch, self.ep)
+                int(self.dp_overlap), self.cp, self.prefetch, self.ep, int(self.ep_overlap))
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -140,6 +146,8 @@ class Config:
             s += f",cp={self.cp}"
         if self.ep > 1:
             s += f",ep={self.ep}"
+        if self.ep > 1 and self.ep_overlap:
+            s += ",ep_overlap=1"
         if self.pp > 1:
             s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
         return s
@@ -303,7 +311,7 @@ class StageModel:
         and v (a layer's coefficients depend on none of them)."""
         cfg = self.cfg
         key = ("layer", id(b), cfg.tp, cfg.mb, cfg.sp, cfg.fsdp, cfg.dp_shard, cfg.dp_replicate, cfg.reshard,
-               cfg.fsdp_once, cfg.fsdp_unit, self.M, cfg.cp, cfg.ep)
+               cfg.fsdp_once, cfg.fsdp_unit, self.M, cfg.cp, cfg.ep, cfg.ep_overlap)
         if key not in self._cache:
             self._cache[key] = self._layer(b)
         return self._cache[key]
@@ -366,10 +374,13 @@ class StageModel:
         for ac in AC_MODES:
             comm_tp = tp_bwd + tp_fwd * (2 if ac == "full" else 1) + (regather if ac == "selective" else 0.0)
             fsdp = self._fsdp_exposed(ag, rs, ct.fwd, ct.bwd + rec[ac], cfg.reshard) + per_tensor
+            ep = ep_bwd + ep_fwd + (ep_rows if ac == "full" else 0.0)
+            if cfg.ep_overlap:  # under the other chunk's computation: what outlasts it shows
+                ep = max(0.0, ep - (ct.fwd + ct.bwd + rec[ac]))
             parts[ac] = {
                 "compute": ct.fwd + ct.bwd, "recompute": rec[ac], "tp_comm": comm_tp,
                 "cp_comm": cp_bwd + cp_fwd * (2 if ac == "full" else 1),
-                "ep_comm": ep_bwd + ep_fwd + (ep_rows if ac == "full" else 0.0),
+                "ep_comm": ep,
                 "fsdp_comm": fsdp,
                 # A full recompute runs the forward third of the DTensor dispatches again.
                 "tp_eager_overhead": eager * (4 / 3 if ac == "full" else 1.0),
