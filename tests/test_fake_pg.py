@@ -83,17 +83,24 @@ def test_pipeline_stages_under_cp_send_each_ranks_tokens():
     assert d["priced"] == [1 * 32 * d["hidden"] * 4], d
 
 
-def test_tensor_parallel_ranks_compile_the_same_graphs():
-    """TP 2 x FSDP 2 + SP on GPT: the two TP ranks' graphs are the same text (their vocabulary
-    offsets and chunk choices read at run time, ``passes/coords.py``), so one of them compiles
-    and the other loads its code. Each rank in a process of its own, side by side."""
+def _graphs_of(ranks: tuple, *mode: str) -> list[dict]:
+    """``scripts/fake_pg_same_graphs.py`` as each of ``ranks``, each in a process of its own,
+    side by side: the key of the graphs each hands Inductor and its run-time rank reads."""
     script = os.path.join(os.path.dirname(__file__), "scripts", "fake_pg_same_graphs.py")
-    procs = [subprocess.Popen([sys.executable, script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    procs = [subprocess.Popen([sys.executable, script, str(r), *mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in ranks]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    d = [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
+    return [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
+
+
+def test_tensor_parallel_ranks_compile_the_same_graphs():
+    """TP 2 x FSDP 2 + SP on GPT: the two TP ranks' graphs are the same text (their vocabulary
+    offsets and chunk choices read at run time, ``passes/coords.py``), so one of them compiles
+    and the other loads its code."""
+    d = _graphs_of((0, 1))
     # the embedding's and the loss's masks (forward, loss backward) and the embedding gradient's chunk
     assert d[0]["reads"] >= 3, d
     assert d[0]["key"] == d[1]["key"], d
@@ -103,14 +110,7 @@ def test_expert_parallel_groups_compile_the_same_graphs():
     """Mixtral under ep 2 x HSDP 2x2: ranks 0 and 2 are in different ep groups, whose collectives
     name their group alike (``groups.register_group``), so their graphs are the same text and one
     compile serves both."""
-    script = os.path.join(os.path.dirname(__file__), "scripts", "fake_pg_same_graphs.py")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    procs = [subprocess.Popen([sys.executable, script, str(r), "ep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for r in (0, 2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    d = [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
+    d = _graphs_of((0, 2), "ep")
     assert d[0]["key"] == d[1]["key"], d
 
 
@@ -119,14 +119,7 @@ def test_context_parallel_ranks_compile_the_same_graphs():
     and swap half their queries with each other, yet their graphs are the same text: the rows
     are worked out from the rank read at run time (one read per attention, forward and
     backward) and the swap's partner is found when it runs (``cp.mirror_swap``)."""
-    script = os.path.join(os.path.dirname(__file__), "scripts", "fake_pg_same_graphs.py")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    procs = [subprocess.Popen([sys.executable, script, str(r), "cp"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for r in (0, 3)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    d = [json.loads([l for l in out.splitlines() if l.startswith("{")][-1]) for out, _ in outs]
+    d = _graphs_of((0, 3), "cp")
     assert d[0]["reads"] >= 2, d  # the zoo's Llama has two layers
     assert d[0]["key"] == d[1]["key"], d
 
