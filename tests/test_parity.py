@@ -171,7 +171,9 @@ CP = {"cp2_fsdp2": {"cp": 2, "dp": 2, "fsdp": 1}, "cp4": {"cp": 4}, "cp2_tp2_sp"
 CI_CP = [case("hf-llama", n, p, seq=128) for n, p in CP.items()] + [
     case(m, "cp2_fsdp2", CP["cp2_fsdp2"]) for m in ("gpt-tiny", "hf-qwen2")] + [
     # Pipeline stages that send each cp rank's own tokens to the next (cp.sent, cp.received).
-    case("hf-llama", "pp2_cp2", {"pp": 2, "cp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 2}, seq=128)]
+    case("hf-llama", "pp2_cp2", {"pp": 2, "cp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 2}, seq=128),
+    # Selective AC keeps the swapped queries and outputs (a collective's result, never run again).
+    case("hf-llama", "cp2_fsdp2_ac_sel", {**CP["cp2_fsdp2"], "ac": "selective"}, seq=128)]
 # Expert parallelism: each rank runs its share of the experts on the rows all ranks route to
 # them (all-to-alls sized by the routing). Mixtral's experts sharded over exactly the ep ranks
 # (each rank receives only its own experts' weights), in fp32 (also through the user's own loop,
