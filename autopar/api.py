@@ -408,6 +408,10 @@ def estimate_plan(
         p = dataclasses.replace(p, notes=(*p.notes, f"{sm.M} microbatches over {pp} pipeline stages: priced with "
                                           f"its bubble ({pp - 1} of {sm.M + pp - 1} microbatch times idle); "
                                           "autopar's pipeline schedules need at least one microbatch per stage"))
+    others = [f"{k}={v} ({search_mod.ESTIMATE_ONLY[k]})" for k, v in search_mod.estimate_only(kv).items()]
+    if others:
+        p = dataclasses.replace(p, notes=(*p.notes, "priced as another framework runs it, which autopar's executor "
+                                          "does not: " + "; ".join(others)))
     return p, est, ctx
 
 

@@ -412,6 +412,8 @@ def test_ep_overlap_hides_the_all_to_alls_behind_the_layer_compute():
             assert h["ep_comm"] == pytest.approx(max(0.0, e["ep_comm"] - e["compute"] - e["recompute"]))
         hid.append(hidden["none"]["ep_comm"] == 0.0)
     assert hid == [False, True]  # on h100 they outlast the tiny layer's matmuls; on this CPU they do not
+    priced, _, _ = api.estimate_plan(m, 4, "ep=4,dp=4,fsdp=1,mb=2,ep_overlap=1", global_batch=8, profiled=prof)
+    assert any("ep_overlap=True" in n and "executor does not" in n for n in priced.notes), priced.notes
     with pytest.raises(AutoparError, match="add ep=N"):
         api.estimate_plan(m, 4, "dp=4,fsdp=1,ep_overlap=1", global_batch=8, profiled=prof)
     with pytest.raises(AutoparError, match="ep_overlap=True is priced by `autopar estimate` only"):
