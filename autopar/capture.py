@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.errors import AutoparError, TraceError
 from autopar.fxops import first_by_storage, unique_parameters
-from autopar.traceable import data_dependent, with_export_path_fallback
+from autopar.traceable import data_dependent, refuse_batched_experts, with_export_path_fallback
 
 if TYPE_CHECKING:
     from autopar.cut import ModelTrace
@@ -323,6 +323,7 @@ def trace_model(
         raise TraceError(f"{name} returned a {type(model).__name__}, not an nn.Module: a model factory "
                          "takes no arguments and returns the model")
     model.train()
+    refuse_batched_experts(model)  # as autopar.compile does: never priced as something it cannot run
     # Tracing runs the model's Python code; an in-place update of a real buffer (a counter)
     # would happen for real: keep their values and put them back.
     kept = [(b, b.detach().clone()) for b in model.buffers() if not isinstance(b, FakeTensor) and b.device.type != "meta"]

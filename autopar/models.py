@@ -389,7 +389,10 @@ def _hf_source(path: str) -> ModelSource:
 
         import transformers
         from torch._subclasses.fake_tensor import FakeTensor
-        from transformers.modeling_utils import no_init_weights
+        try:  # transformers 5 keeps it in ``initialization``, 4.x in ``modeling_utils``
+            from transformers.initialization import no_init_weights
+        except ImportError:
+            from transformers.modeling_utils import no_init_weights
 
         cfg = transformers.AutoConfig.for_model(**raw)
         if hasattr(cfg, "use_cache"):

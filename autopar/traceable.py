@@ -354,6 +354,23 @@ class _RoutedForm:
                 r.module.forward = kept
 
 
+def refuse_batched_experts(model: nn.Module) -> None:
+    """Refuse, in words, experts held as 3-D parameters (transformers 5's experts interface,
+    ``use_experts_implementation``: every expert's weights in one parameter, run through a grouped
+    matmul), which the routed form does not read: before planning prices them and before
+    anything trains."""
+    from autopar.errors import AutoparError
+
+    for name, m in model.named_modules():
+        if hasattr(m, "_is_expert_parallel") and any(q.dim() == 3 for q in m.parameters(recurse=False)):
+            impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+            raise AutoparError(
+                f"the experts {name} ({type(m).__name__}) hold every expert's weights in 3-D parameters "
+                f"(transformers 5's experts interface{f', {impl!r}' if impl else ''}); autopar plans and runs "
+                "experts that are modules of their own, as transformers<5 builds them: install "
+                "'transformers<5' to train this model")
+
+
 def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedExperts]:
     """Before a model with routed experts trains in the fixed-shape form, prove on its own weights
     that the form computes what the block's own forward computes (random tokens, both outputs);
@@ -364,16 +381,7 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
 
     from autopar.errors import AutoparError
 
-    for name, m in model.named_modules():
-        # transformers 5's experts interface (``use_experts_implementation``): every expert's
-        # weights in one 3-D parameter, run through a grouped matmul
-        if hasattr(m, "_is_expert_parallel") and any(q.dim() == 3 for q in m.parameters(recurse=False)):
-            impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
-            raise AutoparError(
-                f"the experts {name} ({type(m).__name__}) hold every expert's weights in 3-D parameters "
-                f"(transformers 5's experts interface{f', {impl!r}' if impl else ''}); autopar plans and runs "
-                "experts that are modules of their own, as transformers<5 builds them: install "
-                "'transformers<5' to train this model")
+    refuse_batched_experts(model)
     blocks = routed_experts(model)
     for r in blocks:
         w = getattr(r.module, r.router).weight

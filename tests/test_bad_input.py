@@ -309,6 +309,14 @@ def test_compile_bad_input(make, exc, msg):
         assert _untouched(model, before), "the model was changed"
 
 
+def test_planning_refuses_experts_held_as_3d_parameters():
+    """``autopar.plan`` (and ``autopar explain`` on a transformers 5 MoE config) refuses the experts
+    ``autopar.compile`` refuses, in the same words, rather than pricing what autopar cannot run."""
+    with pytest.raises(AutoparError, match=r"hold every expert's weights in 3-D parameters.*install 'transformers<5'"):
+        autopar.plan(_batched_experts(), 8, example_inputs=(torch.randint(0, 32, (4, 8)),), hardware="cpu",
+                     global_batch=8)
+
+
 STEP_CASES = [
     ("float_ids", lambda ids, tgt: (ids.float(), tgt), r"step\(\) takes ids as integer token ids, got torch.float32"),
     ("bool_target", lambda ids, tgt: (ids, tgt.bool()), r"takes target as integer token ids, got torch.bool"),
