@@ -20,8 +20,9 @@ import operator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from autopar.fxops import COLLECTIVES, op_name
 from autopar.passes import GATHERED_INPUT, PassContext
-from autopar.passes.cp import KV_GATHERED, MIRROR_SWAP
+from autopar.passes.cp import KV_GATHERED
 from autopar.passes.ep import WEIGHTS as EP_WEIGHTS
 
 _aten = torch.ops.aten
@@ -111,7 +112,7 @@ def recompute_policy(n: torch.fx.Node, mode: str):
 
 def _is_collective(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and (target.namespace == "_c10d_functional"
-                                                          or target is MIRROR_SWAP)
+                                                          or op_name(target) in COLLECTIVES)
 
 
 def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.GraphModule:

@@ -173,6 +173,15 @@ def _even(shape, splits) -> bool:
     return True
 
 
+def _noted_if_uneven(shape, splits, original: str, *args):
+    """DTensor's ``_ORIGINAL[original]`` on ``args``, its reads of the rank's coordinates noted
+    only where splitting ``shape`` by ``splits`` is uneven (only then do ranks' shapes differ)."""
+    if not _even(shape, splits):
+        return _ORIGINAL[original](*args)
+    with _not_noted():
+        return _ORIGINAL[original](*args)
+
+
 def _parts(placement, mesh, mesh_dim: int) -> int:
     return mesh.size(mesh_dim) * (placement._split_factor_int() if isinstance(placement, _StridedShard) else 1)
 
@@ -184,10 +193,7 @@ def _logical_shape(self, src_state, mesh_dim: int, full_tensor_shape) -> list:
     mesh = self.device_mesh
     splits = [(e.tensor_dim, _parts(src_state.placements[d], mesh, d))
               for e in src_state.tensor_dim_to_mesh_dim for d in e.mesh_dims if d != mesh_dim]
-    if not _even(full_tensor_shape, splits):
-        return _ORIGINAL["logical"](self, src_state, mesh_dim, full_tensor_shape)
-    with _not_noted():
-        return _ORIGINAL["logical"](self, src_state, mesh_dim, full_tensor_shape)
+    return _noted_if_uneven(full_tensor_shape, splits, "logical", self, src_state, mesh_dim, full_tensor_shape)
 
 
 def _greedy_transforms(self, src_spec, dst_spec) -> list:
@@ -196,10 +202,7 @@ def _greedy_transforms(self, src_spec, dst_spec) -> list:
     each of those splits is even (every rank's shapes the same)."""
     mesh = self.device_mesh
     splits = [(p.dim, _parts(p, mesh, i)) for i, p in enumerate(src_spec.placements[:-1]) if isinstance(p, Shard)]
-    if not _even(src_spec.shape, splits):
-        return _ORIGINAL["greedy"](self, src_spec, dst_spec)
-    with _not_noted():
-        return _ORIGINAL["greedy"](self, src_spec, dst_spec)
+    return _noted_if_uneven(src_spec.shape, splits, "greedy", self, src_spec, dst_spec)
 
 
 _PLANNER = _redistribute.DTensorRedistributePlanner

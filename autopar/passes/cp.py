@@ -153,7 +153,6 @@ def _mirror_swap_setup(ctx, inputs, output):
 
 
 mirror_swap.register_autograd(_mirror_swap_backward, setup_context=_mirror_swap_setup)
-MIRROR_SWAP = torch.ops.autopar.mirror_swap.default
 
 
 def _swap(x: torch.Tensor, group_name: str) -> torch.Tensor:
