@@ -201,14 +201,17 @@ def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
 @pytest.mark.parametrize("pin", ["dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1,once=microbatch",
                                  "dp=4,fsdp=1,tp=1,pp=1,ac=full,mb=1,once=microbatch",
                                  "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=selective,mb=1,once=microbatch",
-                                 "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=none,mb=1,once=gather"])
+                                 "tp=2,sp=1,dp=2,fsdp=1,pp=1,ac=none,mb=1,once=gather",
+                                 "tp=2,sp=1,dp=2,fsdp=0,pp=1,ac=selective,mb=1",
+                                 "cp=2,tp=2,sp=1,dp=1,pp=1,ac=selective,mb=1"])
 def test_executed_memory_is_what_the_plan_priced(fake_group, pin):
     """What ``explain --graph`` prints: the executed graphs' step peak (gathered parameters,
     activations, gradients in flight; the gradient shards are states, priced apart) against the
     cost model's prediction of the same parts, in bf16-mixed (fp32 masters, bf16 compute, fp32
     gradient reduction) on llama-small (8 layers), for FSDP, FSDP with full AC, TP + SP with
-    selective AC, and TP + SP with the parameters gathered once per step (ZeRO-1: every layer's
-    whole parameters and fp32 gradients held through the step, beside the graphs)."""
+    selective AC, TP + SP with the parameters gathered once per step (ZeRO-1: every layer's
+    whole parameters and fp32 gradients held through the step, beside the graphs), and without
+    FSDP (TP + SP x DDP, CP x TP + SP: the step's bf16 copy of every weight is in the step)."""
     from autopar import inspect_graph
 
     plan = autopar.plan("llama-small", WORLD, pin=pin, hardware="h100", global_batch=8)

@@ -28,8 +28,8 @@ runs with TP add the DTensor dispatch time the profile measured (``tp_eager_over
 Memory of rank ``r`` (bytes)::
 
     states  = P_r * (master + grad + 2 AdamW moments, in the master dtype) / dp_shard
-              (+ a compute-dtype copy of the weights without FSDP, under mixed precision)
-    working = unsharded compute-dtype params in flight (1 + prefetch layers with reshard, all of the stage without)
+    working = unsharded compute-dtype params in flight (1 + prefetch layers with reshard, all of the stage without;
+              without FSDP, under mixed precision, the step's compute-dtype copy of every weight)
     acts    = mb * sum_layers saved(ac) * inflight_r  +  one layer's backward working set
     inflight_r = 1 (no PP), M (GPipe), min(M, pp - r) (1F1B),
                  min(M v, (v-1) pp + 2 (pp-1-r) + 1) / v (interleaved, per layer)
@@ -230,6 +230,7 @@ class LayerCoeffs:
     parts: dict  # named components for the breakdown (ac -> {name: seconds})
     hidden_comm: dict = field(default_factory=dict)  # ac -> comm seconds overlapped with compute
     fsdp_param: float = -1.0  # bytes FSDP gathers per layer (-1: working_param; less under EP)
+    copy: float = 0.0  # the compute-dtype copy of the layer's weights the step makes without FSDP
 
 
 @dataclass
@@ -392,7 +393,7 @@ class StageModel:
                 act[ac] += sp_gathered
         # Gathered for the layer: its own experts' weights, not every expert's.
         working = (p_local - own + own / cfg.ep) * ctx.act_bytes
-        return LayerCoeffs(time, act, self._state_bytes(p_local), working, parts, hidden,
+        return LayerCoeffs(time, act, self._state_bytes(p_local), working, parts, hidden, copy=self._copy_bytes(p_local),
                            fsdp_param=(p_local - own) * ctx.act_bytes)
 
     def _fsdp_exposed(self, ag: float, rs: float, fwd: float, bwd: float, reshard: bool) -> float:
@@ -490,15 +491,18 @@ class StageModel:
             parts={a: {k: avg(lambda c: c.parts[a][k]) for k in cs[0].parts[a]} for a in AC_MODES},
             hidden_comm={a: avg(lambda c: c.hidden_comm[a]) for a in AC_MODES},
             fsdp_param=max(c.fsdp_param if c.fsdp_param >= 0 else c.working_param for c in cs),
+            copy=avg(lambda c: c.copy),
         )
 
     def _state_bytes(self, p_local: float) -> float:
-        cfg, ctx = self.cfg, self.ctx
-        prec = ctx.prec
-        per = 4 * prec.bytes("param")  # parameter, gradient, AdamW's exp_avg and exp_avg_sq
-        # Without FSDP, mixed precision keeps the compute-dtype copy of each weight the backward reads.
-        extra = prec.bytes("compute") if prec.compute != prec.param and not cfg.fsdp else 0.0
-        return p_local * per / cfg.shard + p_local * extra
+        """Held between steps: parameter, gradient, AdamW's exp_avg and exp_avg_sq (sharded by FSDP)."""
+        return p_local * 4 * self.ctx.prec.bytes("param") / self.cfg.shard
+
+    def _copy_bytes(self, p_local: float) -> float:
+        """Without FSDP, under mixed precision, the step casts each weight to the compute dtype
+        once and the backward reads that copy: held through the step (not between steps)."""
+        prec = self.ctx.prec
+        return p_local * prec.bytes("compute") if prec.compute != prec.param and not self.cfg.fsdp else 0.0
 
     # -- embedding / head ---------------------------------------------------------------------
     def _outer(self):
@@ -553,6 +557,7 @@ class StageModel:
             "time": ct.fwd + ct.bwd + tp_t + fsdp + eager,
             "parts": {"compute": ct.fwd + ct.bwd, "tp_comm": tp_t, "fsdp_comm": fsdp, "tp_eager_overhead": eager},
             "static": self._state_bytes(p_local),
+            "copy": self._copy_bytes(p_local),
             "working": p_local * ctx.act_bytes,
             "hidden_comm": max(0.0, busy - fsdp),
             "act_vocab": mb * ctx.bytes_scale * prof.saved_vocab / tp,
@@ -624,10 +629,10 @@ class StageModel:
         inflight = self.inflight(r)
         act = inflight * sum(k * c.act[a] for k, a in zip(ac, AC_MODES))
         static = n * c.static
-        working = 0.0
+        working = n * c.copy
         keep = cfg.reshard and cfg.fsdp_once != "gather"
         if cfg.shard > 1:
-            working = ((1 + cfg.prefetch) * c.working_param) if keep else n * c.working_param
+            working += ((1 + cfg.prefetch) * c.working_param) if keep else n * c.working_param
             if cfg.fsdp_once:  # unsharded fp32 gradients accumulated across the microbatches
                 working += n * c.working_param / ctx.act_bytes * ctx.reduce_bytes
 
@@ -653,6 +658,7 @@ class StageModel:
                 continue
             o = self.outer[name]
             static += o["static"]
+            working += o["copy"]
             if name == "post":
                 outer_act += o["act_rep"] * post_inflight
                 loss = o["act_vocab"] * post_inflight + o["grad_out"]
