@@ -155,6 +155,15 @@ def test_hf_gpt2_fused_qkv_is_a_column():
                   "self_attn.o_proj.weight": ("row", 0, 1)}),
     ("hf-olmo2", {"self_attn.q_proj.weight": ("column", 0, 1), "self_attn.k_proj.weight": ("column", 0, 1),
                   "self_attn.o_proj.weight": ("row", 0, 1)}),
+    # Phi-2's and Cohere's attention and MLP read one norm's output side by side; Gemma 2's extra
+    # norms after attention and after the MLP are over the row linears' reduced outputs.
+    ("hf-phi", {"self_attn.q_proj.weight": ("column", 0, 1), "self_attn.dense.weight": ("row", 0, 1),
+                "mlp.fc1.weight": ("column", 0, 1), "mlp.fc2.weight": ("row", 0, 1)}),
+    ("hf-cohere", {"self_attn.v_proj.weight": ("column", 0, 1), "self_attn.o_proj.weight": ("row", 0, 1),
+                   "mlp.up_proj.weight": ("column", 0, 1), "mlp.down_proj.weight": ("row", 0, 1)}),
+    ("hf-gemma2", {"self_attn.k_proj.weight": ("column", 0, 1), "self_attn.o_proj.weight": ("row", 0, 1),
+                   "mlp.gate_proj.weight": ("column", 0, 1), "mlp.down_proj.weight": ("row", 0, 1)}),
+    ("hf-starcoder2", {"mlp.c_fc.weight": ("column", 0, 1), "mlp.c_proj.weight": ("row", 0, 1)}),
     ("hf-roberta", {"attention.self.query.weight": ("column", 0, 1), "attention.output.dense.weight": ("row", 0, 1),
                     "intermediate.dense.weight": ("column", 0, 1), "output.dense.weight": ("row", 0, 1)}),
     # ModernBERT views its fused Wqkv as (3, heads, head dim), transposes and unbinds the 3:

@@ -91,6 +91,30 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cfg, cls = tf.Qwen3Config(**llama_like, head_dim=8, tie_word_embeddings=False), tf.Qwen3ForCausalLM
     elif kind == "hf-olmo2":  # RMS norms over all the query and key features (not head-local)
         cfg, cls = tf.Olmo2Config(**llama_like), tf.Olmo2ForCausalLM
+    elif kind == "hf-gemma2":  # attention and final logit soft-capping, sandwich norms, alternating sliding windows
+        cfg = tf.Gemma2Config(**llama_like, head_dim=8, sliding_window=16, query_pre_attn_scalar=8)
+        cls = tf.Gemma2ForCausalLM
+    elif kind == "hf-gemma3":  # per-head q/k norms, local and global layers with their own rotary bases
+        cfg = tf.Gemma3TextConfig(**llama_like, head_dim=8, sliding_window=16, query_pre_attn_scalar=8)
+        cls = tf.Gemma3ForCausalLM
+    elif kind == "hf-phi":  # Phi-2: partial rotary, parallel attention and MLP, biases, layer norm
+        cfg = tf.PhiConfig(**{**llama_like, "num_key_value_heads": 8}, partial_rotary_factor=0.5, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attention_dropout=0.0)
+        cls = tf.PhiForCausalLM
+    elif kind == "hf-stablelm":  # layer norms, partial rotary, q/k/v biases
+        cfg = tf.StableLmConfig(**llama_like, partial_rotary_factor=0.25, use_qkv_bias=True, hidden_dropout=0.0,
+                                attention_dropout=0.0)
+        cls = tf.StableLmForCausalLM
+    elif kind == "hf-starcoder2":  # layer norms with biases, GELU MLP (c_fc, c_proj), grouped-query attention
+        cfg = tf.Starcoder2Config(**llama_like, sliding_window=None, residual_dropout=0.0, embedding_dropout=0.0,
+                                  attention_dropout=0.0)
+        cls = tf.Starcoder2ForCausalLM
+    elif kind == "hf-cohere":  # parallel attention and MLP, one layer norm, scaled logits, tied head
+        cfg, cls = tf.CohereConfig(**llama_like, logit_scale=0.25), tf.CohereForCausalLM
+    elif kind == "hf-granite":  # Llama with multipliers on embeddings, residuals, attention and logits
+        cfg = tf.GraniteConfig(**llama_like, embedding_multiplier=2.0, residual_multiplier=0.5,
+                               attention_multiplier=0.125, logits_scaling=4.0)
+        cls = tf.GraniteForCausalLM
     elif kind == "hf-roberta":  # an encoder: bidirectional attention, masked-LM head (dense, GELU, layer norm) tied
         cfg = tf.RobertaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                                type_vocab_size=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
