@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -298,7 +299,11 @@ def layer_index(param_name: str, layers: list[str]) -> int | None:
 
 
 def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_function" and op_name(node.target) in VIEW_OPS and node.args:
+    """What ``node`` views: through view ops and the pieces of one (``unbind``'s of a 3-D expert
+    weight, one per expert)."""
+    while node.op == "call_function" and node.args and (
+            op_name(node.target) in VIEW_OPS or (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+                                                 and op_name(node.args[0].target) in VIEW_OPS)):
         a = node.args[0]
         if not isinstance(a, torch.fx.Node):
             break
@@ -365,7 +370,7 @@ def _block_linears(bt: BlockTrace, found, tokens: int) -> tuple[dict[str, Linear
     for gl in found.linears:
         wname = weight_of[gl.node]
         shape = bt.param_shapes[wname]
-        in_f, out_f = int(shape[1 - gl.out_dim]), int(shape[gl.out_dim])
+        in_f, out_f = int(shape[gl.in_dim]), int(shape[gl.out_dim])
         lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
         if gl.group:
             lin.group = tuple(bt.param_names[i] for i in gl.group)
@@ -378,8 +383,9 @@ def _block_linears(bt: BlockTrace, found, tokens: int) -> tuple[dict[str, Linear
             val = _val(end)
             if val is not None and tokens:
                 lin.reduce_rows = float(val.numel()) / (tokens * out_f)
-        # nn.Linear stores its weight (out, in) and transposes it; HF Conv1D stores (in, out).
-        lin.transposed_storage = tuple(shape) == (out_f, in_f)
+        # nn.Linear stores its weight (out, in) and transposes it; HF Conv1D stores (in, out);
+        # 3-D expert weights (experts, out, in), or (experts, in, out) as gpt-oss stores them.
+        lin.transposed_storage = tuple(shape[-2:]) == (out_f, in_f)
         if gl.role in ("column", "row"):
             lin.role = gl.role
         lin.parts = gl.parts if gl.role == "column" else 1

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.errors import AutoparError, TraceError
-from autopar.fxops import first_by_storage, unique_parameters
+from autopar.fxops import first_by_storage, out_of_place, unique_parameters
 from autopar.traceable import data_dependent, refuse_batched_experts, with_export_path_fallback
 
 if TYPE_CHECKING:
@@ -630,6 +630,11 @@ def trace_step(
 
     gm = with_export_path_fallback(trace, model=model, target_kernels=target_kernels)
     _drop_empty_cat_operands(gm)
+    holder = first_by_storage(gm.graph.nodes)  # what autograd saved, before writes get values of their own
+    # A write into a tensor the step made and nothing else aliases (a router's scatter_ into fresh
+    # zeros, experts' index_add_ of their rows) as its out-of-place form: a sharded value cannot be
+    # written in place where the write changes its placement.
+    out_of_place(gm)
     for ph, p in zip(gm.graph.find_nodes(op="placeholder"), params):
         ph.meta["trained"] = p.requires_grad
     mutated = _mutated_inputs(gm, len(pnames), bnames)
@@ -640,7 +645,6 @@ def trace_step(
             "values from a different share of the batch, so it would not be the same model. Use a normalisation "
             "without running state (LayerNorm, RMSNorm, GroupNorm), or keep the buffer out of training "
             "(track_running_stats=False); the model was not changed")
-    holder = first_by_storage(gm.graph.nodes)
     saved, seen = [], set()
     for ref, layer, entered in packed:
         if ref in holder and (ref, layer) not in seen:

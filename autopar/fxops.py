@@ -36,6 +36,8 @@ ATTENTION_OPS = (_aten._scaled_dot_product_flash_attention_for_cpu.default,
                  _aten._scaled_dot_product_efficient_attention.default,
                  _aten._scaled_dot_product_cudnn_attention.default)
 SPLIT_OPS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.unsafe_split.Tensor}
+# Fresh zeros a value is added onto (a partial sum onto them is still one).
+ZEROS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default}
 # The collectives the passes insert, by op name: the functional ones (``_c10d_functional``) and
 # context parallelism's exchange with the mirror rank (``autopar::mirror_swap``, passes/cp.py).
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
@@ -120,7 +122,9 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
     out-of-place form, those readers reading its result (what functionalisation does, without
     tracing the graph again): it writes a tensor the graph made itself (not an input, not a
     constant) that no other value aliases (no view of it, it no view of another), apart from
-    the in-place operations on it. Each rewritten node gets a value of its own (its storage no
+    the in-place operations on it and views made after its last write, which only read it (a
+    router's ``zeros_like(...).scatter_(...)`` then indexed, experts' ``index_add_`` result
+    reshaped). Each rewritten node, and each such view, gets a value of its own (its storage no
     longer the written tensor's). Other in-place operations stay."""
     from torch._guards import detect_fake_mode
 
@@ -129,9 +133,11 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor):
             by_storage.setdefault(StorageWeakRef(v.untyped_storage()), []).append(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     ops = {n: out_of_place_op(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     found = {n: op for n, op in ops.items() if op is not n.target}
     safe = {}  # write -> (its out-of-place target, what it writes: the tensor and the writes before)
+    views: dict = {}  # a view made after the last write on its storage -> that storage's writes
     for n, op in found.items():
         root = n
         while root in found and root.args and isinstance(root.args[0], torch.fx.Node):
@@ -139,21 +145,27 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
         if root in found or root.op != "call_function" or not isinstance(root.meta.get("val"), torch.Tensor):
             continue  # an input, a constant
         sharers = by_storage.get(StorageWeakRef(root.meta["val"].untyped_storage()), [])
-        if all(m is root or m in found for m in sharers):
-            safe[n] = (op, [m for m in sharers if m is not n])
+        last = max(order[m] for m in sharers if m in found)
+        after = [m for m in sharers if m is not root and m not in found and order[m] > last
+                 and m.op == "call_function" and op_name(m.target) in VIEW_OPS]
+        if all(m is root or m in found or m in after for m in sharers):
+            safe[n] = (op, [m for m in sharers if m is not n and m not in after])
+            views.update(dict.fromkeys(after))
     if not safe:
         return
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     mode = detect_fake_mode([n.meta["val"] for n in safe])
-    for n, (op, same) in safe.items():  # in graph order: a later write reads an earlier one's result
-        v = n.meta["val"]
-        n.target = op
-        for m in same:
-            for u in list(m.users):
-                if u is not n and order[u] > order[n]:
-                    u.replace_input_with(m, n)
-        with mode if mode is not None else contextlib.nullcontext():
+    with mode if mode is not None else contextlib.nullcontext():
+        for n, (op, same) in safe.items():  # in graph order: a later write reads an earlier one's result
+            v = n.meta["val"]
+            n.target = op
+            for m in same:
+                for u in list(m.users):
+                    if u is not n and order[u] > order[n]:
+                        u.replace_input_with(m, n)
             n.meta["val"] = v.new_empty_strided(v.shape, v.stride())
+        for m in sorted(views, key=order.__getitem__):  # views of the results: values of the new storage
+            args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], (m.args, m.kwargs))
+            m.meta["val"] = m.target(*args, **kwargs)
     gm.recompile()
 
 

@@ -11,11 +11,12 @@ same-named linears, one role for all); its role follows from where its input com
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
-from autopar.fxops import ATTENTION_OPS, FEATURE_VIEWS, SPLIT_OPS
+from autopar.fxops import ATTENTION_OPS, FEATURE_VIEWS, SPLIT_OPS, ZEROS
 from autopar.grouped_mm import GROUPED_MM
 
 _aten = torch.ops.aten
@@ -24,6 +25,7 @@ _PASS_OPS = {  # ops a weight passes through on its way into a matmul (dim 0 of 
     _aten.reshape.default, _aten._to_copy.default, _aten.alias.default, _aten.detach.default,
 }
 _LOOKUPS = {_aten.embedding.default}
+_PICKS = {_aten.index.Tensor, _aten.index_select.default, _aten.gather.default}
 _NORMS = {_aten.native_layer_norm.default, _aten.layer_norm.default, _aten.rms_norm.default}
 _REDUCTIONS = {_aten.mean.dim, _aten.sum.dim_IntList, _aten.var.correction, _aten.var_mean.correction}
 # Products of two activations (attention's scores and outputs): a reduction after one is over
@@ -63,10 +65,21 @@ class GraphLinear:
     parts: int = 1  # a fused projection split into this many equal parts (q, k, v)
     reason: str = ""  # why a linear stays replicated
     group: tuple[int, ...] = ()  # a grouped linear (routed experts): every expert's weight, ``weight`` the first
+    stacked: bool = False  # a grouped linear of one 3-D weight (every expert's, leading): dims 1, 2 its features
 
     @property
     def weights(self) -> tuple[int, ...]:
         return self.group or (self.weight,)
+
+    @property
+    def grouped(self) -> bool:
+        """Routed experts' grouped linear: each expert's weight on its own rows."""
+        return bool(self.group) or self.stacked
+
+    @property
+    def in_dim(self) -> int:
+        """The weight's dimension that indexes input features."""
+        return 3 - self.out_dim if self.stacked else 1 - self.out_dim
 
 
 @dataclass
@@ -102,6 +115,11 @@ class Roles:
         return {root: nodes for root, nodes in self.gather_points.items() if any(n.target in mms for n in nodes)}
 
 
+def _integral(n: torch.fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and not v.is_floating_point()
+
+
 def _is_2d_transpose(n: torch.fx.Node) -> bool:
     """``w.T`` / ``w.permute(1, 0)`` of a matrix (Falcon's linear computes ``x @ self.weight.T``)."""
     return n.target == _aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]
@@ -117,6 +135,27 @@ def _weight_of(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
         n = n.args[0]
     if isinstance(n, torch.fx.Node) and n in pidx:
         return pidx[n], flips
+    return None, 0
+
+
+def _expert_slice(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
+    """(parameter index, transposes) where ``n`` is one expert's matrix of a 3-D expert weight
+    (``unbind(w)[e]`` or ``w[e]``, then transposed or not), else (None, 0)."""
+    flips = 0
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and (
+            n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n)):
+        flips += 1
+        n = n.args[0]
+    if not isinstance(n, torch.fx.Node) or n.op != "call_function":
+        return None, 0
+    if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0].target == _aten.unbind.int:
+        src, dim = n.args[0].args[0], (n.args[0].args[1] if len(n.args[0].args) > 1 else 0)
+    elif n.target == _aten.select.int:
+        src, dim = n.args[0], n.args[1]
+    else:
+        return None, 0
+    if dim == 0 and src in pidx and src.meta["val"].dim() == 3:
+        return pidx[src], flips
     return None, 0
 
 
@@ -246,15 +285,15 @@ def _token_rows(x: torch.fx.Node, linears: dict) -> bool:
     """``x`` picks rows of a token matrix for grouped linears only (routed experts' tokens in
     expert order): the tokens are gathered before the pick, once for all the experts' rows."""
     return (x.target == _aten.index.Tensor and len(x.args[1]) == 1
-            and all(u in linears and linears[u].group for u in x.users))
+            and all(u in linears and linears[u].grouped for u in x.users))
 
 
 def _read_as_tokens(x: torch.fx.Node, linears: dict) -> bool:
     """``x`` (a view) is read only as linears' input (one linear, or a block's router, shared
-    and routed experts): it is gathered where its source is, before the view, once for them all
+    and routed experts; and for its shape): it is gathered where its source is, before the view, once for them all
     (under SP the source's sequence shards are gathered whole; the view of them stays local)."""
     return len(x.users) == 1 or all((u in linears and linears[u].act is x) or _token_rows(u, linears)
-                                    for u in x.users)
+                                    or u.target in ZEROS for u in x.users)  # zeros_like reads the shape only
 
 
 def step_roles(sg) -> Roles:
@@ -297,6 +336,14 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
             if all(w is not None and not flips and phs[w].meta["val"].dim() == 2 for w, flips in found):
                 ws = tuple(w for w, _ in found)
                 linears[n] = GraphLinear(n, ws[0], 0, n.args[0], group=ws)
+                continue
+            # Every expert's matrix of one 3-D weight, in expert order: the experts' (out, in)
+            # matrices are its dims (1, 2), or (2, 1) where each is transposed first (gpt-oss).
+            found = [_expert_slice(w, pidx) for w in n.args[1]]
+            if (found and len(set(found)) == 1 and found[0][0] is not None
+                    and phs[found[0][0]].meta["val"].shape[0] == len(found)):
+                w, flips = found[0]
+                linears[n] = GraphLinear(n, w, 2 if flips % 2 else 1, n.args[0], stacked=True)
             continue
         if n.op != "call_function" or n.target not in (_aten.mm.default, _aten.addmm.default):
             continue
@@ -348,7 +395,8 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
             elif y is not x and _shared_by_heads(y, tokens):
                 shared.add(y)
             elif y not in pidx and (through_products or y.op != "call_function" or y.target not in _PRODUCTS):
-                stack += y.all_input_nodes
+                # Not into the indices of a pick (routed rows' experts and tokens): no features.
+                stack += [a for a in y.all_input_nodes if not (y.target in _PICKS and _integral(a))]
         walked[x, through_products] = out, seen
         return out, seen
 
@@ -434,7 +482,7 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
             continue
         chain, x = [lin.node], lin.act
         while x.op == "call_function" and ((x.target in FEATURE_VIEWS and _read_as_tokens(x, linears))
-                                           or (lin.group and _token_rows(x, linears))):
+                                           or (lin.grouped and _token_rows(x, linears))):
             chain.append(x)
             x = x.args[0]
         gather_points.setdefault(x, set()).update(chain)
@@ -449,7 +497,6 @@ _LINEAR_IN_FIRST = {*FEATURE_VIEWS, _aten.index.Tensor, _aten.select.int, _aten.
                     _aten.squeeze.dim, _aten._to_copy.default, _aten.clone.default, _aten.sum.dim_IntList,
                     _aten.permute.default, _aten.transpose.int, _aten.div.Tensor}
 _SUMS = {_aten.add.Tensor, _aten.sub.Tensor}
-_ZEROS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default}
 
 
 def _keeps_partial(n: torch.fx.Node, partial: set) -> bool:
@@ -460,8 +507,11 @@ def _keeps_partial(n: torch.fx.Node, partial: set) -> bool:
     if n.target == _aten.mul.Tensor:
         return sum(ins) == 1
     if n.target in _SUMS:
-        return any(ins) and all(a in partial or (a.op == "call_function" and a.target in _ZEROS)
+        return any(ins) and all(a in partial or (a.op == "call_function" and a.target in ZEROS)
                                 for a in n.all_input_nodes)
+    if n.target == _aten.index_add.default:  # rows added onto their tokens (experts in 3-D parameters)
+        base, idx, src = n.args[0], n.args[2], n.args[3]
+        return src in partial and idx not in partial and (base in partial or base.target in ZEROS)
     return False
 
 
@@ -475,7 +525,8 @@ def _reduce_points(gm: torch.fx.GraphModule, rows: list) -> dict:
     cone, stack = set(), list(rows)
     while stack:
         for u in stack.pop().users:
-            if u not in cone and u.op == "call_function" and u.target in _LINEAR_IN_FIRST | _SUMS | {_aten.mul.Tensor}:
+            if u not in cone and u.op == "call_function" and u.target in _LINEAR_IN_FIRST | _SUMS | {
+                    _aten.mul.Tensor, _aten.index_add.default}:
                 cone.add(u)
                 stack.append(u)
     partial = set(rows)

@@ -68,7 +68,7 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
         finally:
             tc._is_compiling_flag = False
 
-    if model is not None and not tc._is_compiling_flag and routed_experts(model):
+    if model is not None and not tc._is_compiling_flag and (routed_experts(model) or stacked_experts(model)):
         # A routed-experts block's own loop is value-dependent (tokens per expert): a first trace
         # would stop there after tracing what comes before; go straight to the export path.
         return exported()
@@ -335,77 +335,290 @@ def routed_experts_forward(r: RoutedExperts, hidden: torch.Tensor):
     return out.reshape(b, s, h), logits
 
 
+# Experts held as 3-D parameters ------------------------------------------------------------
+@dataclass(frozen=True)
+class StackedExperts:
+    """Experts held as 3-D parameters, every expert's weight in one (``E`` leading; biases
+    ``(E, out)``): gpt-oss, and every mixture-of-experts of transformers 5 (its experts
+    interface). Their forward takes the tokens, each token's chosen experts (an integer
+    ``(tokens, top_k)`` tensor) and its routing weights, finds the experts that received tokens
+    (``one_hot(...).sum(...).nonzero()``) and loops over them, each expert's tokens found with
+    ``torch.where``: shapes that depend on values. ``stacked_experts_forward`` runs that same
+    code once, for every expert at a time."""
+
+    name: str
+    module: nn.Module
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.module.num_experts)
+
+
+def stacked_experts(model: nn.Module) -> list[StackedExperts]:
+    """The modules with a ``num_experts`` and only parameters of that many leading entries, one
+    of them 3-D (the experts' weights)."""
+    out = []
+    for name, m in model.named_modules():
+        E = getattr(m, "num_experts", None)
+        ps = list(m.parameters(recurse=False))
+        if isinstance(E, int) and E >= 2 and any(p.dim() == 3 for p in ps) and all(p.shape[0] == E for p in ps):
+            out.append(StackedExperts(name, m))
+    return out
+
+
+class _Marker:
+    """What stands for a value of the experts' loop while ``_EveryExpertAtOnce`` runs it: torch
+    functions given one are handled by that mode (an object with ``__torch_function__`` passes
+    torch's argument parsing to reach it)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TraceError(f"{getattr(func, '__name__', func)} of the experts' loop values outside their fixed-shape form")
+
+
+class _EveryExpert(_Marker):
+    """The loop's expert index while ``stacked_experts_forward`` runs: all experts at once. It is
+    never the masked class (``if expert_idx == self.num_experts: continue``)."""
+
+    def __eq__(self, other):
+        return False
+
+    __hash__ = object.__hash__
+
+
+_EVERY = _EveryExpert()
+
+
+class _ExpertMask(_Marker):
+    """What the loop computes from ``one_hot(top_k_index, ...)``: the experts hit (one pass of
+    the loop, with every expert) and each expert's (top-k slot, token) pairs (every row)."""
+
+    def permute(self, *a):
+        return self
+
+    def sum(self, *a, **k):
+        return self
+
+    def __getitem__(self, i):
+        return self
+
+    def nonzero(self, *a, **k):
+        return [[_EVERY]]
+
+
+@dataclass
+class _Grouped(_Marker):
+    """``weight[expert_idx]`` of a 3-D expert weight, for all experts: its matmul with the rows
+    is one ``grouped_mm`` (each expert's weight on its own rows)."""
+
+    weight: torch.Tensor
+
+
+def _has_every(i) -> bool:
+    return i is _EVERY or (isinstance(i, tuple) and any(x is _EVERY for x in i))
+
+
+class _EveryExpertAtOnce(torch.overrides.TorchFunctionMode):
+    """The experts' own loop body run once on the ``tokens x top_k`` (token, expert) pairs sorted
+    by expert (ties in token order, as each expert's ``torch.where`` finds them): the expert mask's
+    ``torch.where`` gives every row's (top-k slot, token), an expert-indexed parameter gives each
+    row its expert's entry (a bias, a routing weight), and a 3-D weight's matmul with the rows is
+    ``grouped_mm``. The model's own ``index_add_`` then adds each row onto its token, in expert
+    order as the loop adds them. Anything else done with the loop's index stops the trace, in words."""
+
+    def __init__(self, s: StackedExperts, idx: torch.Tensor):
+        super().__init__()
+        self.s, self.idx = s, idx
+        k = idx.shape[-1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        self.tok, self.pos, self.expert = order // k, order % k, flat[order]
+        counts = torch.zeros(s.n_experts, dtype=torch.int64, device=idx.device)
+        self.offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0)
+        self.weights = {id(p) for p in s.module.parameters(recurse=False) if p.dim() == 3}
+        self.masked = False  # the loop made its expert mask (one_hot of the chosen experts)
+
+    def _refuse(self, what: str):
+        raise TraceError(f"the experts {self.s.name} ({type(self.s.module).__name__}) {what}, which autopar's "
+                         "routed form of experts held as 3-D parameters does not know (it runs the loop over "
+                         "the experts hit once, for all experts: one_hot of the chosen experts, nonzero, "
+                         "torch.where, each expert's weight in a matmul with its rows, index_add_ of the rows)")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        vals = (*args, *kwargs.values())
+        if func is F.one_hot and args and args[0] is self.idx:
+            self.masked = True
+            return _ExpertMask()
+        if any(isinstance(a, _ExpertMask) for a in vals):
+            if func is torch.where and len(args) == 1:
+                return self.pos, self.tok
+            if func in (torch.greater, torch.gt, torch.Tensor.__gt__, torch.ne) and isinstance(args[0], _ExpertMask):
+                return args[0]
+            self._refuse(f"computes {getattr(func, '__name__', func)} of its expert mask")
+        if func is torch.Tensor.__getitem__ and _has_every(args[1]):
+            t, i = args
+            if i is _EVERY and id(t) in self.weights:
+                return _Grouped(t)
+            i = self.expert if i is _EVERY else tuple(self.expert if x is _EVERY else x for x in i)
+            return t[i]
+        if any(isinstance(a, _Grouped) for a in vals):
+            if func is F.linear and isinstance(args[1], _Grouped):
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                y = grouped_mm(args[0], list(args[1].weight.unbind(0)), self.offs)
+                return y if bias is None else y + bias
+            if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and isinstance(args[1], _Grouped):
+                return grouped_mm(args[0], [w.t() for w in args[1].weight.unbind(0)], self.offs)
+            self._refuse(f"uses an expert's weight in {getattr(func, '__name__', func)}")
+        if any(a is _EVERY for a in vals):
+            self._refuse(f"uses its expert index in {getattr(func, '__name__', func)}")
+        return func(*args, **kwargs)
+
+
+def _own_forward(m: nn.Module):
+    """``m``'s forward as its class wrote it, under transformers 5's experts interface (which
+    dispatches on ``config._experts_implementation``) too."""
+    import inspect
+
+    return inspect.unwrap(type(m).forward)
+
+
+def stacked_experts_forward(s: StackedExperts, *args, **kwargs):
+    """The experts' own forward with fixed shapes: every expert applied to its own rows only (the
+    active FLOPs), by ``_EveryExpertAtOnce``. The chosen experts are the one integer 2-D tensor
+    the call is given; experts called without one run their own forward as it is."""
+    idx = [a for a in (*args, *kwargs.values())
+           if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dim() == 2]
+    if len(idx) != 1:  # not given the chosen experts: a form of their own (Llama 4's every expert on every row)
+        return _own_forward(s.module)(s.module, *args, **kwargs)
+    mode = _EveryExpertAtOnce(s, idx[0])
+    try:
+        with mode:
+            out = _own_forward(s.module)(s.module, *args, **kwargs)
+    except (AttributeError, TypeError, IndexError) as e:
+        mode._refuse(f"loop over their experts otherwise ({type(e).__name__}: {e})")
+    if not mode.masked:
+        mode._refuse("find their experts' tokens without one_hot of the chosen experts")
+    return out
+
+
 class _RoutedForm:
-    """While tracing, each routed-experts block of ``model`` runs ``routed_experts_forward``."""
+    """While tracing, each routed-experts block of ``model`` runs ``routed_experts_forward`` and
+    each module of experts held as 3-D parameters ``stacked_experts_forward``."""
 
     def __init__(self, model: nn.Module):
         self.blocks = routed_experts(model)
+        self.stacked = stacked_experts(model)
 
     def __enter__(self):
-        self.kept = [r.module.__dict__.get("forward") for r in self.blocks]  # a hook's own patch, if any
+        self.mods = [r.module for r in self.blocks] + [s.module for s in self.stacked]
+        self.kept = [m.__dict__.get("forward") for m in self.mods]  # a hook's own patch, if any
         for r in self.blocks:
             r.module.forward = lambda hidden, r=r: routed_experts_forward(r, hidden)
+        for s in self.stacked:
+            s.module.forward = lambda *a, s=s, **k: stacked_experts_forward(s, *a, **k)
         return self
 
     def __exit__(self, *exc):
-        for r, kept in zip(self.blocks, self.kept):
-            r.module.__dict__.pop("forward", None)
+        for m, kept in zip(self.mods, self.kept):
+            m.__dict__.pop("forward", None)
             if kept is not None:
-                r.module.forward = kept
+                m.forward = kept
 
 
 def refuse_batched_experts(model: nn.Module) -> None:
-    """Refuse, in words, experts held as 3-D parameters (transformers 5's experts interface,
-    ``use_experts_implementation``: every expert's weights in one parameter, run through a grouped
-    matmul), which the routed form does not read: before planning prices them and before
-    anything trains."""
+    """Refuse, in words, experts held as 3-D parameters that ``stacked_experts`` does not
+    recognise (no ``num_experts``, or parameters of other leading sizes): before planning prices
+    them and before anything trains."""
     from autopar.errors import AutoparError
 
+    known = {id(s.module) for s in stacked_experts(model)}
     for name, m in model.named_modules():
-        if hasattr(m, "_is_expert_parallel") and any(q.dim() == 3 for q in m.parameters(recurse=False)):
+        if id(m) not in known and hasattr(m, "_is_expert_parallel") and any(q.dim() == 3 for q in m.parameters(recurse=False)):
             impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
             raise AutoparError(
                 f"the experts {name} ({type(m).__name__}) hold every expert's weights in 3-D parameters "
-                f"(transformers 5's experts interface{f', {impl!r}' if impl else ''}); autopar plans and runs "
-                "experts that are modules of their own, as transformers<5 builds them: install "
-                "'transformers<5' to train this model")
+                f"(transformers 5's experts interface{f', {impl!r}' if impl else ''}) without a num_experts that "
+                "every one of them leads with; autopar runs such experts by their num_experts")
 
 
-def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedExperts]:
-    """Before a model with routed experts trains in the fixed-shape form, prove on its own weights
-    that the form computes what the block's own forward computes (random tokens, both outputs);
-    a block that routes otherwise is refused rather than trained as a different model, and so are
-    experts held as 3-D parameters (transformers 5), which the form does not read."""
+def _differs(own, mine) -> str | None:
+    """Why two forwards' outputs are not the same (other shapes, values apart beyond fp32
+    summation order), or None."""
+    own = own if isinstance(own, tuple) else (own,)
+    mine = mine if isinstance(mine, tuple) else (mine,)
+    if len(own) != len(mine) or any(not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
+                                    or a.shape != b.shape for a, b in zip(own, mine)):
+        return "its outputs have other shapes"
+    diff = max(float((a - b).abs().max() / max(1.0, float(a.abs().max()))) for a, b in zip(own, mine))
+    return f"outputs differ by {diff:.2g}" if diff > 1e-5 else None
+
+
+def _real(w: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 
+    return w.device.type != "meta" and not isinstance(w, (FakeTensor, DTensor))
+
+
+def _tokens_for(w: torch.Tensor, hidden: int, tokens: int) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(1, tokens, hidden, generator=gen, dtype=w.dtype).to(w.device)
+
+
+def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedExperts]:
+    """Before a model with routed experts trains in a fixed-shape form, prove on its own weights
+    that the form computes what the model's own code computes (random tokens, every output): a
+    block of expert modules against its own forward, experts held as 3-D parameters within their
+    block (its router's choice) against their own loop. A block that routes otherwise is refused
+    rather than trained as a different model."""
     from autopar.errors import AutoparError
 
     refuse_batched_experts(model)
     blocks = routed_experts(model)
     for r in blocks:
         w = getattr(r.module, r.router).weight
-        if w.device.type == "meta" or isinstance(w, (FakeTensor, DTensor)):  # nothing real to run
+        if not _real(w):  # nothing real to run
             continue
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(1, tokens, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
+        x = _tokens_for(w, w.shape[1], tokens)
         with torch.no_grad():
-            own = r.module(x)
-            mine = routed_experts_forward(r, x)
-        own_t = own if isinstance(own, tuple) else (own,)
-        mine = mine if isinstance(mine, tuple) else (mine,)
-        if len(own_t) != len(mine) or any(not isinstance(a, torch.Tensor) or a.shape != b.shape
-                                          for a, b in zip(own_t, mine)):
-            why = "its outputs have other shapes"
-        else:
-            diff = max(float((a - b).abs().max() / max(1.0, float(a.abs().max()))) for a, b in zip(own_t, mine))
-            why = f"outputs differ by {diff:.2g}" if diff > 1e-5 else None
+            why = _differs(r.module(x), routed_experts_forward(r, x))
         if why:
             raise AutoparError(
                 f"the mixture-of-experts block {r.name} ({type(r.module).__name__}) does not compute what autopar's "
                 f"fixed-shape routed-experts form computes ({why}); its routing (e.g. sigmoid scores, grouped or "
                 "biased top-k, capacity limits) is not the softmax top-k autopar knows, so it is not trained "
                 "rather than trained as a different model")
+    for st in stacked_experts(model):
+        m = st.module
+        if not _real(next(m.parameters())):
+            continue
+        parent = model.get_submodule(st.name.rpartition(".")[0])
+        inside = {id(p) for p in m.parameters()}
+        # The block's router scores the experts: a (num_experts, hidden) weight beside them.
+        hidden = next((p.shape[1] for p in parent.parameters()
+                       if id(p) not in inside and p.dim() == 2 and p.shape[0] == st.n_experts), None)
+        if hidden is None:
+            raise AutoparError(f"the experts {st.name} ({type(m).__name__}): their block {type(parent).__name__} has "
+                               f"no ({st.n_experts}, hidden) router weight, so autopar cannot check its fixed-shape "
+                               "form of them against their own loop; they are not trained rather than trained as "
+                               "a different model")
+        x = _tokens_for(next(m.parameters()), hidden, tokens)
+        kept = m.__dict__.get("forward")
+        try:
+            with torch.no_grad():
+                m.forward = _own_forward(m).__get__(m)
+                own = parent(x)
+                m.forward = lambda *a, **k: stacked_experts_forward(st, *a, **k)
+                why = _differs(own, parent(x))
+        finally:
+            m.__dict__.pop("forward", None)
+            if kept is not None:
+                m.forward = kept
+        if why:
+            raise AutoparError(f"the experts {st.name} ({type(m).__name__}) do not compute what autopar's fixed-shape "
+                               f"form of them computes ({why}), so they are not trained rather than trained as a "
+                               "different model")
     return blocks
 
 

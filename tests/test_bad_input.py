@@ -48,10 +48,10 @@ def files(tmp_path_factory):
         "cfg_no_hidden": put("f/config.json", json.dumps({k: v for k, v in QWEN.items() if k != "hidden_size"})),
         "cfg_no_heads": put("g/config.json", json.dumps({k: v for k, v in QWEN.items() if k != "num_attention_heads"})),
         "cfg_kv3": put("h/config.json", json.dumps({**QWEN, "num_key_value_heads": 3})),
-        "cfg_gpt_oss": put("j/config.json", json.dumps({
-            "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
-            "num_experts_per_tok": 2, "vocab_size": 256, "sliding_window": 16, "max_position_embeddings": 131072})),
+        "cfg_granite_moe": put("j/config.json", json.dumps({  # its gate reads each expert's token count (.tolist())
+            "model_type": "granitemoe", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "vocab_size": 256, "max_position_embeddings": 4096})),
         "cfg_no_kv": put("i/config.json", json.dumps({**{k: v for k, v in QWEN.items() if k != "num_key_value_heads"},
                                                       "model_type": "llama", "_name_or_path": "org/llama-small"})),
         "hw_missing": put("hw1.json", json.dumps({k: v for k, v in H100.items() if k != "memory_gb"})),
@@ -122,8 +122,8 @@ CLI_CASES = [
     ("config_without_heads", "explain {cfg_no_heads} --gpus 8", r"has no 'num_attention_heads'"),
     ("config_kv_heads_not_dividing", "explain {cfg_kv3} --gpus 8",
      r"4 attention heads are not divisible by 3 KV heads; num_key_value_heads must divide"),
-    ("library_code_not_traceable", "explain {cfg_gpt_oss} --gpus 8",
-     r"modeling_gpt_oss.py:\d+: .*That line is transformers' own code \(not yours\).*Nothing to change in your model"),
+    ("library_code_not_traceable", "explain {cfg_granite_moe} --gpus 8",
+     r"modeling_granitemoe.py:\d+: .*That line is transformers' own code \(not yours\).*Nothing to change in your model"),
     ("seq_len_above_positions", "explain {cfg_ok} --gpus 8 --seq-len 200000", r"--seq-len 200000 is above .*131072 positions"),
     ("plan_corrupt", "show {plan_corrupt}", r"p1.json: plan is not valid JSON"),
     ("plan_other_version", "show {plan_version}", r"plan format version 999 is not supported"),
@@ -234,10 +234,11 @@ API_CASES = [
     # Routed experts that score with a sigmoid: the fixed-shape form would train another model.
     ("moe_routing_autopar_does_not_know", lambda: (_sigmoid_moe(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      AutoparError, r"mixture-of-experts block 1 \(SigmoidRouted\) does not compute what autopar's fixed-shape"),
-    # Experts as transformers 5 holds them: every expert's weights in one 3-D parameter.
+    # Experts in 3-D parameters, as transformers 5 holds them, but without the num_experts that
+    # says which dim holds the experts (transformers 5's own, and gpt-oss's, train: test_moe.py).
     ("moe_experts_as_3d_parameters", lambda: (_batched_experts(), 1, {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
      AutoparError, r"the experts 1 \(BatchedExperts\) hold every expert's weights in 3-D parameters \(transformers 5's "
-                    r"experts interface, 'grouped_mm'\).*install 'transformers<5'"),
+                    r"experts interface, 'grouped_mm'\) without a num_experts"),
     # One embedding and one head: nothing repeats, so there is no layer to split or shard.
     ("no_repeated_layers", lambda: (torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)), 1,
                                     {"example_inputs": (torch.randint(0, 32, (4, 8)),)}),
@@ -312,7 +313,7 @@ def test_compile_bad_input(make, exc, msg):
 def test_planning_refuses_experts_held_as_3d_parameters():
     """``autopar.plan`` (and ``autopar explain`` on a transformers 5 MoE config) refuses the experts
     ``autopar.compile`` refuses, in the same words, rather than pricing what autopar cannot run."""
-    with pytest.raises(AutoparError, match=r"hold every expert's weights in 3-D parameters.*install 'transformers<5'"):
+    with pytest.raises(AutoparError, match=r"hold every expert's weights in 3-D parameters.*without a num_experts"):
         autopar.plan(_batched_experts(), 8, example_inputs=(torch.randint(0, 32, (4, 8)),), hardware="cpu",
                      global_batch=8)
 

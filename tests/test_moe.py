@@ -6,6 +6,7 @@ tests/test_parity.py)."""
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autopar import api, traceable
 from autopar.analysis import KIND_MATMUL
@@ -256,21 +257,22 @@ def test_experts_with_other_parameters_run_dense_and_are_priced_so():
     assert expert_flops(4) == expert_flops(2)
 
 
-@pytest.mark.parametrize("sp", [0, 1])
-def test_tp_collectives_are_the_priced_ones_over_tokens_not_their_rows(sp):
+@pytest.mark.parametrize("sp,model", [(0, "hf-mixtral"), (1, "hf-mixtral"), (1, "custom-mixtral-3d")])
+def test_tp_collectives_are_the_priced_ones_over_tokens_not_their_rows(sp, model):
     """Under TP (with and without SP) a routed experts' block moves what a dense MLP moves, as
     the plan prices it: the tokens gathered once at the block's input (router and experts read
     them), the experts' partial sums kept through their weighting and combine and reduced once
     over the tokens where they rejoin the residual stream, never over the tokens x top_k rows;
     in the backward the mirror images. Besides, only the routing weights' gradients (tokens x
-    top_k values) are all-reduced where they are made."""
+    top_k values) are all-reduced where they are made. Experts held as 3-D parameters (combined
+    by the model's own index_add of each row onto its token) move the same."""
     import json
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "tp_collectives.py"), str(sp)],
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "tp_collectives.py"), str(sp), model],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
@@ -470,3 +472,82 @@ def test_ep_refused_for_experts_with_biases():
         api.estimate_plan(model, 4, "ep=2,dp=4,fsdp=1", global_batch=8, profiled=prof)
     ctx = api.make_context(prof.profile, world=4, global_batch=8)
     assert {c.ep for c in search.enumerate_configs(ctx, 4, {})} == {1}
+
+
+# Experts held as 3-D parameters (gpt-oss; every transformers 5 mixture-of-experts, whose experts
+# interface tests/zoo.py's custom-mixtral-3d writes as 5.x does): their own loop over the experts
+# hit, run once for every expert by traceable.stacked_experts_forward.
+@pytest.mark.parametrize("kind", ["custom-mixtral-3d", "hf-gpt-oss"])
+def test_experts_in_3d_parameters_run_their_own_loop_for_all_experts_at_once(kind):
+    """The fixed-shape form computes what the experts' own loop computes, forward and backward
+    (the block's output; the input's and every weight's gradients), and the traced step applies
+    each 3-D weight as one grouped matmul over tokens x top_k rows (no nonzero, no loop), split by
+    the role finder along its features like a linear of every expert (the fused gate/up in two
+    parts; gpt-oss's (experts, in, out) storage read as such)."""
+    from autopar import roles
+    from autopar.grouped_mm import GROUPED_MM
+
+    torch.manual_seed(0)
+    model = zoo.build(kind)
+    (st, *_) = traceable.stacked_experts(model)
+    assert st.n_experts == 4
+    traceable.check_routed_experts(model)
+    block = model.get_submodule(st.name.rpartition(".")[0])
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    weights = [p for p in st.module.parameters()]
+    st.module.forward = traceable._own_forward(st.module).__get__(st.module)
+    own = block(x)[0]
+    g_own = torch.autograd.grad(own.square().sum(), [x, *weights])
+    st.module.forward = lambda *a, **k: traceable.stacked_experts_forward(st, *a, **k)
+    mine = block(x)[0]
+    g_mine = torch.autograd.grad(mine.square().sum(), [x, *weights])
+    del st.module.forward
+    torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_mine, g_own):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    sg = _step_graph(model)
+    grouped = list(sg.gm.graph.find_nodes(op="call_function", target=GROUPED_MM))
+    assert len(grouped) == 2 * 2 and all(n.meta["val"].shape[0] == 2 * 16 * 2 for n in grouped)
+    assert not [n for n in sg.gm.graph.nodes if "nonzero" in str(n.target)]
+    found = {sg.param_names[lin.weight].rsplit(".", 1)[-1]: lin for lin in roles.step_roles(sg).linears
+             if lin.stacked and sg.param_names[lin.weight].startswith(sg.layers[0])}
+    out = 2 if kind == "hf-gpt-oss" else 1  # (experts, in, out) or (experts, out, in)
+    parts = 1 if kind == "hf-gpt-oss" else 2  # gpt-oss interleaves gate and up: contiguous pairs
+    assert {k: (v.role, v.out_dim, v.in_dim, v.parts) for k, v in found.items()} == {
+        "gate_up_proj": ("column", out, 3 - out, parts), "down_proj": ("row", out, 3 - out, 1)}
+
+
+def test_experts_in_3d_parameters_priced_as_the_same_experts_as_modules():
+    """Mixtral with its experts as modules and as transformers 5 holds them is one model: the
+    planner prices the same matmul FLOPs (the active share) and the same weights read."""
+    torch.manual_seed(0)
+    costs = [api.profile_model(zoo.build(k), seq_len=32).profile.blocks[0].costs for k in ("hf-mixtral", "custom-mixtral-3d")]
+    mm = [c.kind == KIND_MATMUL for c in costs]
+    assert costs[1].flops[mm[1]].sum() == pytest.approx(costs[0].flops[mm[0]].sum(), rel=1e-9)
+    assert costs[1].weight_bytes.sum() == pytest.approx(costs[0].weight_bytes.sum(), rel=1e-9)
+    assert costs[1].flops[costs[1].experts()].sum() == pytest.approx(costs[0].flops[costs[0].experts()].sum())
+
+
+class _IndexedExperts(zoo.StackedExperts):
+    """Experts whose loop reads its expert index as a Python int: not the experts interface's loop."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            rows = (top_k_index == e).any(-1)
+            out[rows] += F.linear(F.linear(hidden_states[rows], self.gate_up_proj[e]).chunk(2, -1)[0], self.down_proj[e])
+        return out
+
+
+def test_experts_in_3d_parameters_looping_otherwise_are_refused():
+    """Experts in 3-D parameters whose loop is not the one the fixed-shape form runs are refused in
+    words, naming the experts, before anything trains; the model is not changed."""
+    import autopar
+
+    torch.manual_seed(0)
+    model = zoo.build("custom-mixtral-3d")
+    for layer in model.model.layers:
+        layer.block_sparse_moe.experts.__class__ = _IndexedExperts
+    with pytest.raises((AutoparError, TraceError), match=r"experts model.layers.0.block_sparse_moe.experts \(_IndexedExperts\)"):
+        autopar.compile(model, 1, example_inputs=(torch.randint(0, 100, (2, 16)),))

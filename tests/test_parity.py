@@ -29,7 +29,7 @@ MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-ge
           "hf-phi3", "hf-opt", "hf-qwen2-moe", "hf-qwen3-moe", "hf-mixtral", "custom-llama", "hf-gptj", "hf-bloom",
           "hf-falcon", "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta", "hf-modernbert", "hf-bart",
           "hf-mt5", "hf-deit", "hf-swin", "diffusers-dit", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-phi",
-          "hf-stablelm", "hf-starcoder2", "hf-cohere", "hf-granite"]
+          "hf-stablelm", "hf-starcoder2", "hf-cohere", "hf-granite", "hf-gpt-oss", "custom-mixtral-3d"]
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
@@ -92,7 +92,10 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     *[case(m, "auto", "auto") for m in ("hf-modernbert", "hf-mt5", "hf-deit", "diffusers-dit")],
     # Latent attention under CP x TP + SP: the replicated latent projection runs on each rank's
     # tokens, flattened and unflattened with the sequence split over both cp and tp.
-    case("hf-deepseek-v2", "cp2_tp2_sp", {"cp": 2, "tp": 2, "sp": 1})]
+    case("hf-deepseek-v2", "cp2_tp2_sp", {"cp": 2, "tp": 2, "sp": 1}),
+    # Experts held as 3-D parameters with biases (gpt-oss), FSDP-sharded along the experts and
+    # TP-split along their features; attention sinks.
+    case("hf-gpt-oss", "tp2_fsdp2_sp", TP2_FSDP2_SP)]
 # The same families cut into two pipeline stages (two kinds of layers for the encoder-decoders;
 # Swin's stages of different widths, shifted windows), on 2 processes: the stages' graphs are
 # what differs by family (data parallelism over the stages is the reference Llama's, CI_PP4).

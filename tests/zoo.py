@@ -115,6 +115,11 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cfg = tf.GraniteConfig(**llama_like, embedding_multiplier=2.0, residual_multiplier=0.5,
                                attention_multiplier=0.125, logits_scaling=4.0)
         cls = tf.GraniteForCausalLM
+    elif kind == "hf-gpt-oss":  # experts held as 3-D parameters (with biases), attention sinks, alternating windows
+        cfg = tf.GptOssConfig(**llama_like, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"], rope_scaling=None)
+        cfg.intermediate_size = 32
+        cls = tf.GptOssForCausalLM
     elif kind == "hf-roberta":  # an encoder: bidirectional attention, masked-LM head (dense, GELU, layer norm) tied
         cfg = tf.RobertaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                                type_vocab_size=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -155,8 +160,9 @@ def _hf(kind: str, **overrides) -> nn.Module:
         raise KeyError(kind)
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    # GPT-J, BLOOM, T5 and Swin have no SDPA path in transformers; their eager attention is what users run.
-    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom", "hf-mt5", "hf-swin") else "sdpa"
+    # GPT-J, BLOOM, T5, Swin and gpt-oss (its attention sinks) have no SDPA path in transformers; their
+    # eager attention is what users run.
+    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom", "hf-mt5", "hf-swin", "hf-gpt-oss") else "sdpa"
     model = cls(cfg)
     if kind in VISION:
         # The class tokens as training leaves them, not at their zero initialisation: there the
@@ -171,6 +177,66 @@ def _hf(kind: str, **overrides) -> nn.Module:
         from autopar.models import SameIds
 
         return SameIds(model)
+    return model
+
+
+class StackedExperts(nn.Module):
+    """Experts as transformers 5 holds them (``MixtralExperts``): every expert's weights in one 3-D
+    parameter, run by the experts interface's eager loop over the experts hit, written as 5.x
+    writes it, so the suite covers that form on transformers 4."""
+
+    def __init__(self, experts: nn.ModuleList):
+        super().__init__()
+        self.num_experts = len(experts)
+        self.gate_up_proj = nn.Parameter(torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts]).detach())
+        self.down_proj = nn.Parameter(torch.stack([e.w2.weight for e in experts]).detach())
+        self.act_fn = experts[0].act_fn
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[token_idx]
+            gate, up = F.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current_hidden_states = self.act_fn(gate) * up
+            current_hidden_states = F.linear(current_hidden_states, self.down_proj[expert_idx])
+            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+
+class StackedMoeBlock(nn.Module):
+    """transformers 5's ``MixtralSparseMoeBlock``: its router returns (logits, weights, chosen
+    experts), its experts are ``StackedExperts``; (output, router logits) as 4.x's block returns."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.top_k = block.top_k
+        self.gate = block.gate
+        self.experts = StackedExperts(block.experts)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        logits = self.gate(x)
+        probs = F.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        return self.experts(x, chosen, weights).reshape(b, s, h), logits
+
+
+def _stacked_mixtral() -> nn.Module:
+    """Mixtral with its experts as transformers 5 holds them (the same weights)."""
+    model = _hf("hf-mixtral")
+    for layer in model.model.layers:
+        layer.block_sparse_moe = StackedMoeBlock(layer.block_sparse_moe)
     return model
 
 
@@ -345,6 +411,8 @@ def build(kind: str, **overrides) -> nn.Module:
         return _hf(kind, **overrides)
     if kind == "custom-llama":
         return CustomLlama()
+    if kind == "custom-mixtral-3d":
+        return _stacked_mixtral()
     import dataclasses
 
     from autopar import models

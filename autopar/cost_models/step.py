@@ -1086,8 +1086,10 @@ def validate_ep(m: ModelProfile, ep: int, dp: int | None = None) -> None:
         return
     counts = {b.experts[0] for b in m.blocks if b.experts}
     if not counts:
-        raise AutoparError(f"ep={ep}: {m.name} has no routed experts (a mixture-of-experts block whose experts "
-                           "are linears), so there is nothing to split over ep ranks; use ep=1")
+        raise AutoparError(f"ep={ep}: {m.name} has no routed experts that expert parallelism splits (a "
+                           "mixture-of-experts block whose experts are modules of linears; experts held in 3-D "
+                           "parameters, as gpt-oss and transformers 5 hold them, train with their weights sharded "
+                           "by FSDP like any other, not split over ep ranks yet); use ep=1")
     biased = sorted({b.cls_name for b in m.blocks if b.experts and b.experts_biased})
     if biased:
         raise AutoparError(f"ep={ep}: the experts of {m.name}'s {', '.join(biased)} have biases, which autopar's "

@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import passes
 from autopar.errors import AutoparError
-from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, mutates, out_of_place
+from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, ZEROS, mutates, out_of_place
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes import ep as ep_pass
@@ -365,18 +365,20 @@ def _grouped_linear(args: tuple, am: ActMesh, pick=None) -> DTensor | None:
     if len(pls) != 1 or len(ws) != sum(isinstance(w, DTensor) for w in ws):
         return None
     (pw,) = pls
-    if pw not in (Shard(0), Shard(1)) or any(not p.is_replicate() for d, p in zip(am.names, ws[0].placements) if d != "tp"):
+    # A fused column (gate and up in one weight) is split in interleaved parts: its output too.
+    column = isinstance(pw, (Shard, _StridedShard)) and pw.dim == 0
+    if not (column or pw == Shard(1)) or any(not p.is_replicate() for d, p in zip(am.names, ws[0].placements) if d != "tp"):
         return None
-    if pick is not None and pw != Shard(0):
+    if pick is not None and not column:
         return None
     offs_local = _whole_local(offs, am)
     local_ws = [w.to_local() for w in ws]
-    if pw == Shard(0):
+    if column:
         rows = _rows_whole(x, am)
         if pick is not None:
             rows = rows[_whole_local(pick, am)]
         out = grouped_mm(rows, local_ws, offs_local)
-        pl = am.placements(tp=Shard(1))
+        pl = am.placements(tp=_StridedShard(1, split_factor=pw.split_factor) if isinstance(pw, _StridedShard) else Shard(1))
     else:
         rows = _placed(x, am, am.placements(tp=Shard(1))).to_local()
         out = grouped_mm(rows, local_ws, offs_local)
@@ -441,6 +443,22 @@ def _scaled_partial(args: tuple, am: ActMesh) -> DTensor | None:
         return None
     r = _gradient_reduced_here(r)
     return p * r if p is a else r * p
+
+
+def _added_rows_partial(n: torch.fx.Node, args: tuple, am: ActMesh) -> DTensor | None:
+    """``index_add`` of routed experts' rows (partial sums over tp, a row linear's) onto fresh
+    zeros, each row onto its token (experts held as 3-D parameters combine so): run on the local
+    rows, its output a partial sum of every token, reduced once where it meets the residual
+    stream, as a dense row's output is (not the rows reduced, then the tokens gathered to add them)."""
+    base, dim, idx, src = args[:4]
+    if (len(args) > 4 or n.kwargs or not isinstance(src, DTensor) or not am.has("tp") or not am.tp_of(src).is_partial()
+            or any(not p.is_replicate() for d, p in zip(am.names, src.placements) if d != "tp")
+            or not (isinstance(n.args[0], torch.fx.Node) and n.args[0].target in ZEROS)):
+        return None
+    rows = src.to_local(grad_placements=am.placements())  # a partial sum's gradient: the whole one
+    out = torch.zeros(base.shape, dtype=base.dtype, device=rows.device).index_add(dim, _whole_local(idx, am), rows)
+    return DTensor.from_local(out, am.mesh, am.placements(tp=Partial()), run_check=False, shape=out.shape,
+                              stride=out.stride())
 
 
 def _gradient_reduced_here(x: DTensor) -> DTensor:
@@ -559,6 +577,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                         out = _grouped_linear(args, am)
                 elif n.target == _aten.mul.Tensor and len(args) == 2:
                     out = _scaled_partial(args, am)
+                elif n.target == _aten.index_add.default:
+                    out = _added_rows_partial(n, args, am)
                 elif n.target in SPLIT_OPS:
                     out = _local_split(args[0], n, args, am)
                 elif n.target == _aten.slice.Tensor:

@@ -78,7 +78,7 @@ def tp_rules(sg, roles: Roles, tp: int, sp: bool, split_head: bool) -> TPRules:
                 ask(lin.bias, split(lin.bias, 0, lin.parts))
         elif lin.role == "row":
             for w in lin.weights:
-                ask(w, split(w, 1 - lin.out_dim))
+                ask(w, split(w, lin.in_dim))
             if lin.bias is not None:
                 ask(lin.bias, Replicate())
         elif lin.reason:
