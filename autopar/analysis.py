@@ -72,6 +72,7 @@ class Linear:
     reduce_at: str = ""
     reduce_rows: float = 1.0
     in_rows: float = 1.0  # a grouped linear's input rows per token of the block (routed experts: top_k)
+    stacked: bool = False  # the experts' weights in one 3-D parameter (``group`` names it once per expert)
 
 
 @dataclass
@@ -146,13 +147,20 @@ class BlockProfile:
 
     @property
     def experts_biased(self) -> bool:
-        """Whether the routed experts' linears have biases (which expert parallelism does not split)."""
-        return any(w.removesuffix("weight") + "bias" in self.param_shapes for l in self.linears for w in l.group)
+        """Whether the routed experts' linears have biases (which expert parallelism does not split):
+        ``bias`` beside each expert's ``weight``, or a 3-D weight's ``<name>_bias`` (gpt-oss)."""
+        return any(b in self.param_shapes for l in self.linears for w in l.group
+                   for b in (w.removesuffix("weight") + "bias", w + "_bias"))
+
+    @property
+    def experts_stacked(self) -> bool:
+        """Whether the routed experts' weights are 3-D parameters (every expert's in one)."""
+        return any(l.stacked for l in self.linears)
 
     @property
     def expert_params(self) -> int:
         """Elements of the routed experts' linear weights (every expert's)."""
-        return sum(math.prod(self.param_shapes[w]) for l in self.linears for w in l.group)
+        return sum(math.prod(self.param_shapes[w]) for l in self.linears for w in dict.fromkeys(l.group))
 
     @property
     def tp_linears(self) -> int:
@@ -372,8 +380,9 @@ def _block_linears(bt: BlockTrace, found, tokens: int) -> tuple[dict[str, Linear
         shape = bt.param_shapes[wname]
         in_f, out_f = int(shape[gl.in_dim]), int(shape[gl.out_dim])
         lin = linears[gl.node.name] = Linear(gl.node.name, wname, in_f, out_f)
-        if gl.group:
-            lin.group = tuple(bt.param_names[i] for i in gl.group)
+        if gl.grouped:
+            lin.stacked = gl.stacked
+            lin.group = (wname,) * int(shape[0]) if gl.stacked else tuple(bt.param_names[i] for i in gl.group)
             rows = _val(gl.node.args[0])
             if rows is not None and tokens:
                 lin.in_rows = float(rows.shape[0]) / tokens

@@ -364,6 +364,37 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp):
     assert executed("all_gather_into_tensor", layer_bytes) == gathers == L * (1 + reshard)
 
 
+def test_ep_of_experts_in_3d_parameters_moves_what_is_priced():
+    """Experts held as 3-D parameters under expert parallelism (ep 4 over FSDP 4, reshard after
+    forward): each rank runs its own experts on the rows routed to them (the row counts and the
+    rows' all-to-alls as priced), and FSDP gathers every expert's weights with the layer's (no
+    owned-weights exchange: priced so), again in the backward (the experts' views of the gathered
+    weight are not kept)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    pins = "ep=4,dp=4,tp=1,sp=0,fsdp=1,mb=2,ac=none,reshard=1,once=microbatch"
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins, "custom-mixtral-3d"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    got, plan, L = d["got"], d["plan"], d["layers"]
+
+    def executed(kind, nbytes, graph=None):
+        return sum(v for k, v in got.items() if k.split(":")[1] == kind and k.split(":")[3] == str(nbytes)
+                   and (graph is None or k.split(":")[0] == graph))
+
+    counts, rows = 8 * d["experts"], 4 * 2 * 16 * d["top_k"] * d["hidden"]
+    assert {int(k.split(":")[2]): v for k, v in plan.items() if k.startswith("ep:")} == {counts: L, rows: 4 * L}
+    assert executed("all_to_all_single", counts) == L and executed("all_to_all_single", "None") == 4 * L
+    (layer_bytes, gathers), = [(int(k.split(":")[2]), v) for k, v in plan.items() if k.startswith("dp_shard:all_gather")]
+    assert executed("all_gather_into_tensor", layer_bytes, "forward") == L
+    assert executed("all_gather_into_tensor", layer_bytes, "backward") == L == gathers - L
+
+
 def test_ep_imbalance_prices_the_busiest_rank():
     """``ep_imbalance`` (``--ep-imbalance``): the busiest ep rank's expert matmuls and routed rows
     at that multiple of the even share, the rest of the layer as it was; said in the plan."""

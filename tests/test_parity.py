@@ -94,8 +94,10 @@ CI_PLANS_HF = [case("hf-llama", n, PLANS[n]) for n in ("fsdp4", "ac_full_fsdp4")
     # tokens, flattened and unflattened with the sequence split over both cp and tp.
     case("hf-deepseek-v2", "cp2_tp2_sp", {"cp": 2, "tp": 2, "sp": 1}),
     # Experts held as 3-D parameters with biases (gpt-oss), FSDP-sharded along the experts and
-    # TP-split along their features; attention sinks.
-    case("hf-gpt-oss", "tp2_fsdp2_sp", TP2_FSDP2_SP)]
+    # TP-split along their features; attention sinks. As transformers 5 holds them, under EP x TP
+    # (the fused gate/up's rows split along their features between the grouped calls).
+    case("hf-gpt-oss", "tp2_fsdp2_sp", TP2_FSDP2_SP),
+    case("custom-mixtral-3d", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1})]
 # The same families cut into two pipeline stages (two kinds of layers for the encoder-decoders;
 # Swin's stages of different widths, shifted windows), on 2 processes: the stages' graphs are
 # what differs by family (data parallelism over the stages is the reference Llama's, CI_PP4).

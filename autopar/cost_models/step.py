@@ -358,7 +358,7 @@ class StageModel:
             ep_bwd += n_bwd * t
             ep_rows += n_fwd * t if why != EP_WEIGHTS else 0.0
         p_local = b.params_tp / tp + b.params_rep
-        own = b.expert_params / tp if ep_owned(cfg) else 0.0
+        own = b.expert_params / tp if ep_owned(cfg, b) else 0.0
         ag, rs, busy = self._fsdp_collectives(p_local - own, cfg.reshard)
         # Under SP the sequence region's ops (norms; residual adds are counted too) run on DTensors.
         eager = self._eager_tp_overhead(b.tp_linears, int(np.count_nonzero(~b.costs.tp)))
@@ -959,11 +959,13 @@ def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
 EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again after reshard, gradients back (bwd)"
 
 
-def ep_owned(cfg) -> bool:
+def ep_owned(cfg, b: BlockProfile | None = None) -> bool:
     """Whether each ep rank reads only its own experts' weights: FSDP shards them over exactly the
-    ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers.
-    ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
-    return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
+    ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers
+    (always, for experts held as 3-D parameters: block ``b``'s). ``cfg``: a ``Config`` or a
+    ``Plan`` (the same fields)."""
+    return (cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
+            and not (b is not None and b.experts_stacked))
 
 
 def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
@@ -979,7 +981,7 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
     rows = cfg.mb / cfg.cp * m.seq_len * top_k * m.hidden * ctx.act_bytes * ctx.ep_imbalance
     out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count"),
            ("all_to_all", rows, 2, 2, "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
-    if ep_owned(cfg):  # one all-to-all per grouped linear (gate, up, down)
+    if ep_owned(cfg, b):  # one all-to-all per grouped linear (gate, up, down)
         n = sum(1 for l in b.linears if l.group)
         per = b.expert_params / n / cfg.tp / cfg.ep
         if cfg.fsdp_once == "gather":  # once per step (zero.py): the weights there, the gradients back
@@ -1086,10 +1088,9 @@ def validate_ep(m: ModelProfile, ep: int, dp: int | None = None) -> None:
         return
     counts = {b.experts[0] for b in m.blocks if b.experts}
     if not counts:
-        raise AutoparError(f"ep={ep}: {m.name} has no routed experts that expert parallelism splits (a "
-                           "mixture-of-experts block whose experts are modules of linears; experts held in 3-D "
-                           "parameters, as gpt-oss and transformers 5 hold them, train with their weights sharded "
-                           "by FSDP like any other, not split over ep ranks yet); use ep=1")
+        raise AutoparError(f"ep={ep}: {m.name} has no routed experts (a mixture-of-experts block whose experts "
+                           "are linears, or 3-D weights applied to the tokens routed to each), so there is nothing "
+                           "to split over ep ranks; use ep=1")
     biased = sorted({b.cls_name for b in m.blocks if b.experts and b.experts_biased})
     if biased:
         raise AutoparError(f"ep={ep}: the experts of {m.name}'s {', '.join(biased)} have biases, which autopar's "

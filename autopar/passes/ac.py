@@ -20,7 +20,7 @@ import operator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autopar.fxops import COLLECTIVES, op_name
+from autopar.fxops import COLLECTIVES, VIEW_OPS, op_name
 from autopar.passes import GATHERED_INPUT, PassContext
 from autopar.passes.cp import KV_GATHERED
 from autopar.passes.ep import WEIGHTS as EP_WEIGHTS
@@ -115,10 +115,17 @@ def _is_collective(target) -> bool:
                                                           or op_name(target) in COLLECTIVES)
 
 
+def _views_regathered(n: torch.fx.Node, gathered: set) -> bool:
+    """``n`` is a view (or a piece of one) of a parameter gathered again in the backward."""
+    return (n.op == "call_function" and (op_name(n.target) in VIEW_OPS or n.target is operator.getitem)
+            and bool(n.all_input_nodes) and all(a in gathered for a in n.all_input_nodes))
+
+
 def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.GraphModule:
     modes = {i: l.ac for i, l in enumerate(plan.layers)}
     reshard = plan.fsdp and plan.reshard_after_forward and plan.dp_shard * plan.cp > 1
     tagged: dict[str, int] = {}
+    gathered: set = set()  # the gathers tagged so far, and their views
     for n in forward_nodes(gm):
         custom = n.meta.get("custom", {})
         # Reshard after forward: the backward gathers each parameter again. Context parallelism:
@@ -126,10 +133,14 @@ def apply_ac(gm: torch.fx.GraphModule, plan, ctx: PassContext) -> torch.fx.Graph
         # Expert parallelism: the backward reads the rank's own experts' weights again likewise.
         regather = custom.get("pass") == "fsdp" or (custom.get("why") == EP_WEIGHTS and custom.get("pass") == "ep")
         again = "reshard" if reshard and regather else "cp" if custom.get("why") == KV_GATHERED else None
+        if again is None and reshard and _views_regathered(n, gathered):
+            again = "reshard"  # a gathered weight's views (a 3-D expert weight's experts): saved, they would keep it
         if again:
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = 0
             tagged[again] = tagged.get(again, 0) + 1
+            if again == "reshard":
+                gathered.add(n)
             continue
         layer = custom.get("layer")
         mode = modes.get(layer, "none") if layer is not None else "none"

@@ -406,6 +406,19 @@ def _rows_whole(x, am: ActMesh) -> torch.Tensor:
     return _placed(x, am, am.placements()).to_local(grad_placements=am.placements(tp=Partial()))
 
 
+def _split_feature_shard(n: torch.fx.Node, args: tuple, am: ActMesh) -> list | None:
+    """A split of routed rows that stay local between expert parallelism's grouped calls
+    (``_expert_parallel_tp``) along their features, which TP split (a fused gate/up column's
+    output, each rank holding its share of every part): the traced sizes divided by tp."""
+    x, sizes, dim = args[0], args[1], (args[2] if len(args) > 2 else n.kwargs.get("dim", 0))
+    whole = n.args[0].meta["val"].shape[dim]
+    tp = am.size("tp") if am.has("tp") else 1
+    if tp == 1 or isinstance(x.shape[dim], torch.SymInt) or x.shape[dim] * tp != whole:  # not the rows (routed sizes)
+        return None
+    sizes = [s // tp for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // tp
+    return n.target(x, sizes, dim)
+
+
 def _expert_parallel_tp(n: torch.fx.Node, args: tuple, b, ep: ep_pass.EPGroup, owned, am: ActMesh, tokens):
     """A routed experts' grouped linear under expert parallelism and TP: ``ep_pass.grouped`` on
     this rank's TP shards. A call reading rows in token order takes them whole on tp (from the
@@ -594,6 +607,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                 # The traced kernel's output strides allowed a view; the replayed local shard
                 # (attention DTensor ran on other heads' layout) may not: view a contiguous copy.
                 out = n.target(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
+            if out is None and am is not None and n.target in SPLIT_OPS and args and not isinstance(args[0], DTensor):
+                out = _split_feature_shard(n, args, am)
             if out is None:
                 try:
                     out = n.target(*args, **kwargs)

@@ -1,7 +1,7 @@
-"""On a fake process group of 4: HF Mixtral (tests/zoo) under expert parallelism, the executor's
+"""On a fake process group of 4: a tests/zoo model (HF Mixtral unless argv[2] names another) under expert parallelism, the executor's
 graphs (default options: Inductor compiles the graphs counted); print as JSON the step's
 collectives by graph, kind, pass and bytes (None: sized by the routed rows), and the plan's
-priced collectives per step by group, kind and bytes. Usage: ep_collectives.py PINS"""
+priced collectives per step by group, kind and bytes. Usage: ep_collectives.py PINS [MODEL]"""
 import collections
 import json
 import sys
@@ -14,7 +14,7 @@ import autopar
 from tests import zoo
 
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-model = zoo.build("hf-mixtral")
+model = zoo.build(sys.argv[2] if len(sys.argv) > 2 else "hf-mixtral")
 ids = torch.randint(0, 200, (8, 16))
 pm = autopar.compile(model, 4, example_inputs=(ids,), plan=sys.argv[1])
 got = collections.Counter(f"{r['graph']}:{r['kind']}:{r['pass']}:{r['bytes']}" for r in pm.info.collectives["step"])
