@@ -42,11 +42,24 @@ def _kernel_failed(e: Exception) -> None:
     logging.getLogger(__name__).warning("torch._grouped_mm failed (%s); routed experts run one matmul per expert", e)
 
 
+def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' matrices as one ``(E, out, in)`` tensor: a view where they already are evenly
+    spaced slices of one storage (``unbind`` of a 3-D expert weight, or its transposes), else a
+    stacked copy (experts as modules of their own)."""
+    w0 = weights[0]
+    if len(weights) > 1 and all(w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+                                and w.shape == w0.shape and w.stride() == w0.stride() for w in weights):
+        step = weights[1].storage_offset() - w0.storage_offset()
+        if step > 0 and all(w.storage_offset() == w0.storage_offset() + e * step for e, w in enumerate(weights)):
+            return w0.as_strided((len(weights), *w0.shape), (step, *w0.stride()), w0.storage_offset())
+    return torch.stack(weights)
+
+
 @torch.library.custom_op("autopar::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, weights: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
     if _one_kernel(x, *weights):
         try:
-            return torch._grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offs.to(torch.int32))
+            return torch._grouped_mm(x, stacked(weights).transpose(-2, -1), offs=offs.to(torch.int32))
         except RuntimeError as e:
             _kernel_failed(e)
     out = x.new_zeros(x.shape[0], weights[0].shape[0])

@@ -582,3 +582,19 @@ def test_experts_in_3d_parameters_looping_otherwise_are_refused():
         layer.block_sparse_moe.experts.__class__ = _IndexedExperts
     with pytest.raises((AutoparError, TraceError), match=r"experts model.layers.0.block_sparse_moe.experts \(_IndexedExperts\)"):
         autopar.compile(model, 1, example_inputs=(torch.randint(0, 100, (2, 16)),))
+
+
+def test_grouped_kernel_reads_a_3d_expert_weight_in_place():
+    """On the GPU path ``torch._grouped_mm`` takes every expert's matrix as one (E, out, in)
+    tensor: for a 3-D expert weight's experts (unbind, transposed or not) that is a view of the
+    weight itself, not a copy of it per call; experts of their own are stacked."""
+    from autopar.grouped_mm import stacked
+
+    w = torch.randn(4, 8, 16)
+    for pieces in (list(w.unbind(0)), [p.t() for p in w.unbind(0)]):
+        got = stacked(pieces)
+        assert got.data_ptr() == w.data_ptr() and torch.equal(got, torch.stack(pieces))
+    own = [torch.randn(8, 16) for _ in range(4)]
+    assert torch.equal(stacked(own), torch.stack(own))
+    backwards = list(w.unbind(0))[::-1]  # not in storage order: copied, in the given order
+    assert torch.equal(stacked(backwards), torch.stack(backwards))
