@@ -21,11 +21,13 @@ every step. On gloo, when gloo's thread lets go of a finished collective's buffe
 allocator peak (its collectives run asynchronously; FSDP2's wait in line) by up to a layer's
 weights from step to step.
 
-``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed] [--model vit|bart]`` writes
+``python -m bench.memory [--layers 8,16] [--only fsdp] [--mp bf16-mixed] [--model vit|bart|gpt-oss]`` writes
 bench/results/memory.{json,md} (``memory_bf16_mixed.*`` with ``--mp``: both sides under FSDP2's
 ``MixedPrecisionPolicy`` for that precision; ``memory_vit.*`` with ``--model vit``: a ViT of the
 same width fed 224-pixel images, the input path of issue 28; ``memory_bart.*`` with ``--model
-bart``: an encoder-decoder, both stacks' layers gathered where used on both sides).
+bart``: an encoder-decoder, both stacks' layers gathered where used on both sides; ``memory_gpt-oss.*``
+with ``--model gpt-oss``: experts held as 3-D parameters, FSDP2 running transformers' own loop
+over the experts hit, autopar its routed form).
 Targets (issue 22): autopar / FSDP2 <= 1.0 at both depths, growth with depth no steeper.
 """
 
@@ -66,6 +68,14 @@ def build(layers: int, model: str = "llama") -> torch.nn.Module:
                            num_hidden_layers=layers, num_attention_heads=HEADS, num_labels=CLASSES,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
         return tf.ViTForImageClassification(cfg)
+    if model == "gpt-oss":  # experts held as 3-D parameters (8, top 2, biased), attention sinks, alternating windows
+        cfg = tf.GptOssConfig(hidden_size=HIDDEN, intermediate_size=FFN // 4, num_hidden_layers=layers,
+                              num_attention_heads=HEADS, num_key_value_heads=HEADS // 4, head_dim=HIDDEN // HEADS,
+                              num_local_experts=8, num_experts_per_tok=2, vocab_size=VOCAB, sliding_window=SEQ // 2,
+                              max_position_embeddings=SEQ, rope_scaling=None, use_cache=False,
+                              layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                              attn_implementation="eager")
+        return tf.GptOssForCausalLM(cfg)
     if model == "bart":  # an encoder-decoder of the same width: half the layers in each stack
         from autopar.models import SameIds
 
@@ -263,9 +273,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--mp", default="", help="a mixed precision for both sides (e.g. bf16-mixed; default: fp32)")
-    ap.add_argument("--model", default="llama", choices=("llama", "vit", "bart"),
+    ap.add_argument("--model", default="llama", choices=("llama", "vit", "bart", "gpt-oss"),
                     help="vit: HF ViT of the same width, 224-pixel images in 16-pixel patches, 1,000 classes; "
-                         "bart: HF BART of the same width, the layers half encoder and half decoder")
+                         "bart: HF BART of the same width, the layers half encoder and half decoder; "
+                         "gpt-oss: HF gpt-oss of the same width, 8 experts (FFN/4 each, top 2) in 3-D parameters")
     args = ap.parse_args(argv)
     # Freed large blocks go back to the system, so the resident peak is the step's (PLATFORM.md).
     os.environ.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
@@ -298,7 +309,9 @@ def main(argv=None) -> int:
                         f"{CLASSES} classes",
                  "bart": f"HF BART d_model {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}, the layers half "
                          "encoder and half decoder, the same ids into both",
-                 "llama": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}"}
+                 "llama": f"HF Llama hidden {HIDDEN}, FFN {FFN}, {HEADS} heads, vocab {VOCAB}",
+                 "gpt-oss": f"HF gpt-oss hidden {HIDDEN}, 8 experts of FFN {FFN // 4} (top 2) in 3-D parameters, "
+                            f"{HEADS} heads, vocab {VOCAB}, eager attention with sinks"}
     summary = {"model": described[args.model] + ", fp32 parameters",
                "precision": args.mp or "fp32",
                "batch": f"{BATCH} x {(IMAGE // PATCH) ** 2 + 1 if vit else SEQ} tokens global, one microbatch per rank",
