@@ -634,7 +634,7 @@ def trace_step(
     # A write into a tensor the step made and nothing else aliases (a router's scatter_ into fresh
     # zeros, experts' index_add_ of their rows) as its out-of-place form: a sharded value cannot be
     # written in place where the write changes its placement.
-    out_of_place(gm)
+    out_of_place(gm, restrides=False)
     for ph, p in zip(gm.graph.find_nodes(op="placeholder"), params):
         ph.meta["trained"] = p.requires_grad
     mutated = _mutated_inputs(gm, len(pnames), bnames)

@@ -117,7 +117,12 @@ def out_of_place_op(target):
     return getattr(packet, target._overloadname, target) if packet is not None else target
 
 
-def out_of_place(gm: torch.fx.GraphModule) -> None:
+def _returns_view(op) -> bool:
+    returns = getattr(getattr(op, "_schema", None), "returns", ())
+    return bool(returns) and returns[0].alias_info is not None
+
+
+def out_of_place(gm: torch.fx.GraphModule, restrides: bool = True) -> None:
     """Rewrite, in ``gm``, each in-place operation whose write only later readers can see as its
     out-of-place form, those readers reading its result (what functionalisation does, without
     tracing the graph again): it writes a tensor the graph made itself (not an input, not a
@@ -135,7 +140,9 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
             by_storage.setdefault(StorageWeakRef(v.untyped_storage()), []).append(n)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     ops = {n: out_of_place_op(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    found = {n: op for n, op in ops.items() if op is not n.target}
+    # ``restrides``: a restride in place (as_strided_, t_, unsqueeze_) too, whose out-of-place form
+    # is a view (a traced step keeps them: DTensor runs the view form of none).
+    found = {n: op for n, op in ops.items() if op is not n.target and (restrides or not _returns_view(op))}
     safe = {}  # write -> (its out-of-place target, what it writes: the tensor and the writes before)
     views: dict = {}  # a view made after the last write on its storage -> that storage's writes
     for n, op in found.items():
