@@ -7,7 +7,9 @@ under while it traces it.
   certain (``_ScalarDraws``).
 - Token-routed mixture-of-experts blocks in a fixed-shape form that runs each expert on its own
   tokens (``routed_experts_forward``, ``grouped_mm``), checked against the block's own forward on
-  its own weights before training (``check_routed_experts``).
+  its own weights before training (``check_routed_experts``); experts held as 3-D parameters
+  (gpt-oss, transformers 5) run their own loop once, for every expert at a time
+  (``stacked_experts_forward``), checked likewise.
 - Attention priced as the target GPU runs it (``_TargetKernels``): no dropout outside the kernel,
   the fused kernel where this CPU would take the math path.
 - A causal language model's attention traced as causal, not with an explicit mask, where the mask
