@@ -125,10 +125,15 @@ def _is_2d_transpose(n: torch.fx.Node) -> bool:
     return n.target == _aten.permute.default and [d % 2 for d in n.args[1]] == [1, 0]
 
 
+def _flips(n: torch.fx.Node) -> bool:
+    """``n`` transposes a matrix."""
+    return n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n)
+
+
 def _weight_of(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
     flips = 0
     while isinstance(n, torch.fx.Node) and n.op == "call_function":
-        flip = n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n)
+        flip = _flips(n)
         if not (flip or n.target in _PASS_OPS):
             break
         flips += flip
@@ -142,8 +147,7 @@ def _expert_slice(n: torch.fx.Node, pidx: dict) -> tuple[int | None, int]:
     """(parameter index, transposes) where ``n`` is one expert's matrix of a 3-D expert weight
     (``unbind(w)[e]`` or ``w[e]``, then transposed or not), else (None, 0)."""
     flips = 0
-    while isinstance(n, torch.fx.Node) and n.op == "call_function" and (
-            n.target in (_aten.t.default, _aten.transpose.int) or _is_2d_transpose(n)):
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and _flips(n):
         flips += 1
         n = n.args[0]
     if not isinstance(n, torch.fx.Node) or n.op != "call_function":

@@ -18,6 +18,7 @@ under while it traces it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +49,6 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
     mixture-of-experts blocks in their fixed-shape form (``routed_experts``; a model with such
     blocks is traced that way at once). If that fails too, the error names the line the second
     trace stopped at."""
-    import contextlib
 
     import torch.compiler as tc
 
@@ -455,7 +455,7 @@ class _EveryExpertAtOnce(torch.overrides.TorchFunctionMode):
         if any(isinstance(a, _ExpertMask) for a in vals):
             if func is torch.where and len(args) == 1:
                 return self.pos, self.tok
-            if func in (torch.greater, torch.gt, torch.Tensor.__gt__, torch.ne) and isinstance(args[0], _ExpertMask):
+            if func in (torch.greater, torch.gt) and isinstance(args[0], _ExpertMask):
                 return args[0]
             self._refuse(f"computes {getattr(func, '__name__', func)} of its expert mask")
         if func is torch.Tensor.__getitem__ and _has_every(args[1]):
@@ -504,28 +504,36 @@ def stacked_experts_forward(s: StackedExperts, *args, **kwargs):
     return out
 
 
-class _RoutedForm:
+@contextlib.contextmanager
+def _forward_as(m: nn.Module, fn: Callable):
+    """``m`` runs ``fn`` as its forward inside the block; after it, a forward patched on the
+    instance before (a hook's own) is back, or the class's."""
+    kept = m.__dict__.get("forward")
+    m.forward = fn
+    try:
+        yield
+    finally:
+        m.__dict__.pop("forward", None)
+        if kept is not None:
+            m.forward = kept
+
+
+class _RoutedForm(contextlib.ExitStack):
     """While tracing, each routed-experts block of ``model`` runs ``routed_experts_forward`` and
     each module of experts held as 3-D parameters ``stacked_experts_forward``."""
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         self.blocks = routed_experts(model)
         self.stacked = stacked_experts(model)
 
     def __enter__(self):
-        self.mods = [r.module for r in self.blocks] + [s.module for s in self.stacked]
-        self.kept = [m.__dict__.get("forward") for m in self.mods]  # a hook's own patch, if any
+        super().__enter__()
         for r in self.blocks:
-            r.module.forward = lambda hidden, r=r: routed_experts_forward(r, hidden)
+            self.enter_context(_forward_as(r.module, lambda hidden, r=r: routed_experts_forward(r, hidden)))
         for s in self.stacked:
-            s.module.forward = lambda *a, s=s, **k: stacked_experts_forward(s, *a, **k)
+            self.enter_context(_forward_as(s.module, lambda *a, s=s, **k: stacked_experts_forward(s, *a, **k)))
         return self
-
-    def __exit__(self, *exc):
-        for m, kept in zip(self.mods, self.kept):
-            m.__dict__.pop("forward", None)
-            if kept is not None:
-                m.forward = kept
 
 
 def refuse_batched_experts(model: nn.Module) -> None:
@@ -606,17 +614,11 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
                                "form of them against their own loop; they are not trained rather than trained as "
                                "a different model")
         x = _tokens_for(next(m.parameters()), hidden, tokens)
-        kept = m.__dict__.get("forward")
-        try:
-            with torch.no_grad():
-                m.forward = _own_forward(m).__get__(m)
+        with torch.no_grad():
+            with _forward_as(m, _own_forward(m).__get__(m)):
                 own = parent(x)
-                m.forward = lambda *a, **k: stacked_experts_forward(st, *a, **k)
+            with _forward_as(m, lambda *a, st=st, **k: stacked_experts_forward(st, *a, **k)):
                 why = _differs(own, parent(x))
-        finally:
-            m.__dict__.pop("forward", None)
-            if kept is not None:
-                m.forward = kept
         if why:
             raise AutoparError(f"the experts {st.name} ({type(m).__name__}) do not compute what autopar's fixed-shape "
                                f"form of them computes ({why}), so they are not trained rather than trained as a "
