@@ -147,7 +147,7 @@ class BlockProfile:
 
     @property
     def experts_biased(self) -> bool:
-        """Whether the routed experts' linears have biases (which expert parallelism does not split):
+        """Whether the routed experts' linears have biases (under EP each row's expert index travels with it):
         ``bias`` beside each expert's ``weight``, or a 3-D weight's ``<name>_bias`` (gpt-oss)."""
         return any(b in self.param_shapes for l in self.linears for w in l.group
                    for b in (w.removesuffix("weight") + "bias", w + "_bias"))

@@ -232,6 +232,17 @@ class StackedMoeBlock(nn.Module):
         return self.experts(x, chosen, weights).reshape(b, s, h), logits
 
 
+def _biased_experts(model: nn.Module) -> nn.Module:
+    """``model`` with a bias (random, so that its gradient differs per expert) on every routed
+    expert's linear: experts as modules whose biases each row takes by its expert."""
+    g = torch.Generator().manual_seed(2)
+    for layer in model.model.layers:
+        for expert in layer.mlp.experts:
+            for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                lin.bias = nn.Parameter(0.1 * torch.randn(lin.out_features, generator=g))
+    return model
+
+
 def _stacked_mixtral() -> nn.Module:
     """Mixtral with its experts as transformers 5 holds them (the same weights)."""
     model = _hf("hf-mixtral")
@@ -413,6 +424,8 @@ def build(kind: str, **overrides) -> nn.Module:
         return CustomLlama()
     if kind == "custom-mixtral-3d":
         return _stacked_mixtral()
+    if kind == "custom-qwen2-moe-biased":
+        return _biased_experts(_hf("hf-qwen2-moe"))
     import dataclasses
 
     from autopar import models

@@ -981,6 +981,8 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
     rows = cfg.mb / cfg.cp * m.seq_len * top_k * m.hidden * ctx.act_bytes * ctx.ep_imbalance
     out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count"),
            ("all_to_all", rows, 2, 2, "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
+    if b.experts_biased:  # each row's expert index travels with it (its bias, passes/ep.py)
+        out.append(("all_to_all", rows / (m.hidden * ctx.act_bytes) * 8.0, 1, 0, "EP: routed rows' expert indices (biases)"))
     if ep_owned(cfg, b):  # one all-to-all per grouped linear (gate, up, down)
         n = sum(1 for l in b.linears if l.group)
         per = b.expert_params / n / cfg.tp / cfg.ep
@@ -1091,10 +1093,6 @@ def validate_ep(m: ModelProfile, ep: int, dp: int | None = None) -> None:
         raise AutoparError(f"ep={ep}: {m.name} has no routed experts (a mixture-of-experts block whose experts "
                            "are linears, or 3-D weights applied to the tokens routed to each), so there is nothing "
                            "to split over ep ranks; use ep=1")
-    biased = sorted({b.cls_name for b in m.blocks if b.experts and b.experts_biased})
-    if biased:
-        raise AutoparError(f"ep={ep}: the experts of {m.name}'s {', '.join(biased)} have biases, which autopar's "
-                           "expert-parallel form does not apply yet; use ep=1")
     bad = sorted(e for e in counts if e % ep)
     if bad:
         raise AutoparError(f"ep={ep} does not divide the {bad[0]} experts of {m.name}'s blocks; choose an ep that "

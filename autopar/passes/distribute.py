@@ -437,10 +437,29 @@ def _expert_parallel_tp(n: torch.fx.Node, args: tuple, b, ep: ep_pass.EPGroup, o
         rows = x.to_local() if isinstance(x, DTensor) else x
     y = ep_pass.grouped(n, (rows, weights, _whole_local(offs, am)), b, ep, weights if owned is not None else None)
     if n not in b.combined:
+        b.tp_weights[n] = pw
         return y
     pl = am.placements(tp=Partial() if pw == Shard(1) else Shard(1))
     shape = n.meta["val"].shape
     return DTensor.from_local(y, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
+def _expert_bias(n: torch.fx.Node, b, ep: ep_pass.EPGroup, am: ActMesh | None, env: dict, arg) -> torch.Tensor:
+    """``n``: a routed call's output plus a table's entry per row (an expert's bias) between the
+    calls of expert-parallel block ``b``: the entries of the rows this rank's experts received
+    (``ep_pass.received_index``), under TP the call's local feature shard of them (a column's:
+    its output features' shard; replicated weights: every feature)."""
+    call, index = b.biases[n]
+    table, idx = arg(index.args[0]), arg(index.args[1][0])
+    if isinstance(table, DTensor):
+        pw = b.tp_weights.get(call, Replicate())
+        if not (pw.is_replicate() or pw == Shard(0)):
+            raise AutoparError(f"expert parallelism with TP: {n.name} adds a per-expert table to the rows of "
+                               f"{call.name}, whose weights are placed {pw}: only a column's (split along its output "
+                               "features) or replicated weights' rows take it; choose tp=1 or ep=1")
+        table = _placed(table, am, am.with_tp(table, Shard(1) if pw == Shard(0) else Replicate())).to_local()
+        idx = _whole_local(idx, am)
+    return env[call] + table[ep_pass.received_index(idx, index.args[1][0], b, ep)]
 
 
 def _scaled_partial(args: tuple, am: ActMesh) -> DTensor | None:
@@ -504,6 +523,7 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     act = Shard(1) if sp else Replicate()
     split_seq = am is not None and am.has("cp")
     expert_blocks = ep_pass.blocks(gm) if ep is not None else {}
+    bias_adds = {u: b for b in expert_blocks.values() for u in b.biases}
     owned: dict = {}  # a grouped linear's weights -> this rank's experts' whole weights
 
     def to_tp(x, p):
@@ -561,7 +581,9 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arg(a, n))
         with fx_traceback.annotate({**n.meta.get("custom", {}), "pass": "tp" if rules else "step", "source": n.name}):
             out = None
-            if n in expert_blocks:
+            if n in bias_adds:
+                out = _expert_bias(n, bias_adds[n], ep, am, env, lambda a: arg(a, n))
+            elif n in expert_blocks:
                 mine = owned.get(ws)
                 if am is not None and am.has("tp"):
                     picked = _picked_tokens(n) if n in expert_blocks[n].dispatched_inputs else None

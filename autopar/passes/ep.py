@@ -17,6 +17,10 @@ block sharing the rows' end offsets per expert. The distribute pass replays each
   every expert's (gathered or replicated) weight and end offsets in which the other ranks'
   experts own no rows (their gradients are zeros here; the owner computes them, and the
   data-parallel reduction sums them).
+- **biases** (an expert's bias added to its rows, ``table[expert of row]``, between the block's
+  calls): the rows' indices into the table travel with the rows (an all-to-all of one integer
+  per row), and each received row takes its own entry (``received_index``). After the block's
+  last calls the rows are back in token order, so a bias added there runs as on one process.
 - **combine** (after the block's last grouped linears): the rows back in received order and to
   the ranks they came from (the reverse all-to-all); the model's own weighting and sum over
   each token's ``top_k`` rows then run as on one process.
@@ -66,6 +70,9 @@ class _Block:
     routing: tuple | None = None  # ``_routing``'s, made at the block's first call
     offsets: dict = field(default_factory=dict)  # owned weights or not -> the grouped_mm's end offsets
     sent: dict = field(default_factory=dict)  # input node -> its rows on the experts' ranks
+    # an add of a per-row table entry to a call's output inside the block -> (call, index node)
+    biases: dict = field(default_factory=dict)
+    tp_weights: dict = field(default_factory=dict)  # under TP: a call -> its weights' TP placement
 
 
 def blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Block]:
@@ -87,7 +94,24 @@ def blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Block]:
                 b.dispatched_inputs.add(c)
         for c in calls:
             out[c] = b
+            if c not in b.combined:
+                for u in c.users:
+                    pick = _table_rows(u, c)
+                    if pick is not None:
+                        b.biases[u] = (c, pick)
     return out
+
+
+def _table_rows(u: torch.fx.Node, call: torch.fx.Node) -> torch.fx.Node | None:
+    """For ``u`` = ``call``'s output plus ``table[index]`` (one integer index per row: an
+    expert's bias for each of its rows, as the routed forms add it), that ``index`` node."""
+    if u.target != torch.ops.aten.add.Tensor or len(u.args) != 2 or u.kwargs:
+        return None
+    other = u.args[1] if u.args[0] is call else u.args[0]
+    if (isinstance(other, torch.fx.Node) and other is not call and other.target == torch.ops.aten.index.Tensor
+            and len(other.args[1]) == 1 and isinstance(other.args[1][0], torch.fx.Node)):
+        return other
+    return None
 
 
 def _reaches(src: torch.fx.Node, targets: set, pos: dict) -> bool:
@@ -149,6 +173,17 @@ def assembled(got: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
     el, piece = got.shape[0] // n, list(got.shape[1:])
     whole = [*piece[:dim], n * piece[dim], *piece[dim + 1:]]
     return list(got.view(n, el, *piece).movedim(0, 1 + dim).reshape(el, *whole).unbind(0))
+
+
+def received_index(idx: torch.Tensor, src: torch.fx.Node, b: _Block, g: EPGroup) -> torch.Tensor:
+    """Integer values of this rank's rows (``idx``, in its row order) as the rows its experts
+    received carry them: sent along the rows' own all-to-all routes, then in local expert order
+    (once per block and index node ``src``)."""
+    if src not in b.sent:
+        send, recv, order = b.routing[:3]
+        with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
+            b.sent[src] = funcol.wait_tensor(funcol.all_to_all_single(idx, recv, send, g.group_name))[order]
+    return b.sent[src]
 
 
 def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup, owned: list | None = None) -> torch.Tensor:
