@@ -271,9 +271,7 @@ def ep_options(m, cp: int, dp: int, shard: int, pins: dict) -> list[int]:
     if "ep" in pins:
         return [pins["ep"]] if dp % pins["ep"] == 0 else []
     counts = {b.experts[0] for b in m.blocks if b.experts}
-    # Experts in 3-D parameters are gathered whole under EP (no gain).
-    other = any(b.experts_stacked for b in m.blocks if b.experts)
-    if not counts or other or cp > 1 or shard < 2 or any(e % shard for e in counts):
+    if not counts or cp > 1 or shard < 2 or any(e % shard for e in counts):
         return [1]
     return [1, shard]
 

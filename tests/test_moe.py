@@ -364,12 +364,15 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp):
     assert executed("all_gather_into_tensor", layer_bytes) == gathers == L * (1 + reshard)
 
 
-def test_ep_of_experts_in_3d_parameters_moves_what_is_priced():
+@pytest.mark.parametrize("kind", ["custom-mixtral-3d", "hf-gpt-oss"])
+def test_ep_of_experts_in_3d_parameters_moves_what_is_priced(kind):
     """Experts held as 3-D parameters under expert parallelism (ep 4 over FSDP 4, reshard after
     forward): each rank runs its own experts on the rows routed to them (the row counts and the
-    rows' all-to-alls as priced), and FSDP gathers every expert's weights with the layer's (no
-    owned-weights exchange: priced so), again in the backward (the experts' views of the gathered
-    weight are not kept)."""
+    rows' all-to-alls as priced; gpt-oss's biased experts also each row's expert index, one
+    integer all-to-all per layer in the forward, as priced). FSDP splits the 3-D weights along the
+    experts, so each rank's shard is its own experts' weights: it gathers and reduces only the
+    layer's other parameters (as priced), again in the backward, and nothing moves the experts'
+    weights."""
     import json
     import os
     import subprocess
@@ -377,22 +380,32 @@ def test_ep_of_experts_in_3d_parameters_moves_what_is_priced():
 
     here = os.path.dirname(os.path.abspath(__file__))
     pins = "ep=4,dp=4,tp=1,sp=0,fsdp=1,mb=2,ac=none,reshard=1,once=microbatch"
-    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins, "custom-mixtral-3d"],
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins, kind],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     got, plan, L = d["got"], d["plan"], d["layers"]
 
-    def executed(kind, nbytes, graph=None):
+    def executed(kind, nbytes, graph=None, dtype=None):
         return sum(v for k, v in got.items() if k.split(":")[1] == kind and k.split(":")[3] == str(nbytes)
-                   and (graph is None or k.split(":")[0] == graph))
+                   and (graph is None or k.split(":")[0] == graph) and (dtype is None or k.split(":")[4] == dtype))
 
     counts, rows = 8 * d["experts"], 4 * 2 * 16 * d["top_k"] * d["hidden"]
-    assert {int(k.split(":")[2]): v for k, v in plan.items() if k.startswith("ep:")} == {counts: L, rows: 4 * L}
-    assert executed("all_to_all_single", counts) == L and executed("all_to_all_single", "None") == 4 * L
+    biased = kind == "hf-gpt-oss"
+    indices = {8 * 2 * 16 * d["top_k"]: L} if biased else {}
+    assert {int(k.split(":")[2]): v for k, v in plan.items() if k.startswith("ep:")} == {counts: L, rows: 4 * L, **indices}
+    assert executed("all_to_all_single", counts) == L
+    assert executed("all_to_all_single", "None", dtype="float32") == 4 * L
+    assert executed("all_to_all_single", "None", "forward", "int64") == (L if biased else 0)
+    assert executed("all_to_all_single", "None", "backward", "int64") == 0
     (layer_bytes, gathers), = [(int(k.split(":")[2]), v) for k, v in plan.items() if k.startswith("dp_shard:all_gather")]
-    assert executed("all_gather_into_tensor", layer_bytes, "forward") == L
-    assert executed("all_gather_into_tensor", layer_bytes, "backward") == L == gathers - L
+    assert layer_bytes == d["layer_bytes"] - d["bytes_3d"] and d["bytes_3d"] > layer_bytes / 2
+    assert executed("all_gather_into_tensor", layer_bytes, "forward") == L == gathers - L
+    # The backward regathers the layer but the values its gradients do not read (gpt-oss's
+    # biases and sinks: 3.4% of those bytes), a little less than priced.
+    again = [int(k.split(":")[3]) for k, v in got.items() for _ in range(v) if k.startswith("backward:all_gather")
+             and k.split(":")[3] != "None" and 0.95 * layer_bytes <= int(k.split(":")[3]) <= layer_bytes]
+    assert len(again) == L and (biased or set(again) == {layer_bytes})
 
 
 def test_ep_imbalance_prices_the_busiest_rank():
@@ -484,25 +497,24 @@ def test_ep_rank_reads_only_its_own_experts_weights():
     assert whole - own == pytest.approx(saved, rel=1e-6)  # one microbatch of 2 per rank
 
 
-def test_ep_refused_for_experts_with_biases():
-    """Experts whose linears have biases (gpt-oss) run routed, but expert parallelism does not
-    split them yet: pinned, it is refused with the reason; searched, it is not tried."""
+def test_ep_of_experts_with_biases_is_searched_and_priced():
+    """Experts whose linears have biases (module experts here; gpt-oss's 3-D ones below) run
+    under expert parallelism: each row's index into the bias table travels with the row. Pinned,
+    the plan prices that integer all-to-all once per layer and microbatch (forward only) beside
+    the rows'; searched, EP is tried as for unbiased experts."""
     from autopar import api, search
+    from tests import zoo
 
     torch.manual_seed(0)
-    plain = api.profile_model(_qwen2_moe(2), seq_len=16).profile
-    assert {c.ep for c in search.enumerate_configs(api.make_context(plain, world=4, global_batch=8), 4, {})} == {1, 2, 4}
-    model = _qwen2_moe(2)
-    for layer in model.model.layers:
-        for expert in layer.mlp.experts:
-            for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
-                lin.bias = nn.Parameter(torch.zeros(lin.out_features))
+    model = zoo.build("custom-qwen2-moe-biased")
     prof = api.profile_model(model, seq_len=16)
     assert all(b.experts_biased for b in prof.profile.blocks if b.experts)
-    with pytest.raises(AutoparError, match="have biases"):
-        api.estimate_plan(model, 4, "ep=2,dp=4,fsdp=1", global_batch=8, profiled=prof)
     ctx = api.make_context(prof.profile, world=4, global_batch=8)
-    assert {c.ep for c in search.enumerate_configs(ctx, 4, {})} == {1}
+    assert {c.ep for c in search.enumerate_configs(ctx, 4, {})} == {1, 2, 4}
+    plan = api.estimate_plan(model, 4, "ep=2,dp=4,fsdp=1,mb=2,ac=none", global_batch=8, profiled=prof)[0]
+    idx = [c for c in plan.collectives if c["group"] == "ep" and "expert indices" in c["why"]]
+    layers, top_k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    assert [(c["kind"], c["bytes"], c["count"]) for c in idx] == [("all_to_all", 8 * 2 * 16 * top_k, layers)]
 
 
 # Experts held as 3-D parameters (gpt-oss; every transformers 5 mixture-of-experts, whose experts

@@ -196,11 +196,17 @@ CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mi
          case("hf-qwen3-moe", "ep2_hsdp2x2_ac_full", {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1, "ac": "full"}),
          case("hf-mixtral", "pp2_ep2_ddp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "1f1b", "mb": 1}),
          case("hf-deepseek-v2-4layers", "pp2_ep2_zbv",
-              {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "zbv", "v": 2, "mb": 1})]
+              {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "zbv", "v": 2, "mb": 1}),
+         # experts in 3-D parameters with biases: each row's expert index sent with the row
+         case("hf-gpt-oss", "pp2_ep2_fsdp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "1f1b", "mb": 1})]
 # EP x TP: each rank runs the TP shards of its own experts on the rows its ep group routes to them
-# (Mixtral; DeepSeek-V2 with SP, its latent attention replicated).
+# (Mixtral; DeepSeek-V2 with SP, its latent attention replicated; gpt-oss, its expert biases
+# replicated over tp and each rank adding its feature shard; module experts with biases, split
+# with their columns).
 CI_EP_TP = [case("hf-mixtral", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
-            case("hf-deepseek-v2", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1})]
+            case("hf-deepseek-v2", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1}),
+            case("hf-gpt-oss", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
+            case("custom-qwen2-moe-biased", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1})]
 LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), "models_hf": (4, CI_PLANS_HF),
             "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
             "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP),

@@ -961,11 +961,12 @@ EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again af
 
 def ep_owned(cfg, b: BlockProfile | None = None) -> bool:
     """Whether each ep rank reads only its own experts' weights: FSDP shards them over exactly the
-    ep ranks (``passes/ep.py``: ``owned_weights``); else every expert is gathered as FSDP gathers
-    (always, for experts held as 3-D parameters: block ``b``'s). ``cfg``: a ``Config`` or a
-    ``Plan`` (the same fields)."""
+    ep ranks (``passes/ep.py``: ``owned_weights``; experts held as 3-D parameters, block ``b``'s,
+    are split along the experts, so each rank's shard is its experts' weights, with no exchange,
+    except gathered once per step, when the runtime gathers them whole); else every expert is
+    gathered as FSDP gathers. ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
     return (cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
-            and not (b is not None and b.experts_stacked))
+            and not (b is not None and b.experts_stacked and cfg.fsdp_once == "gather"))
 
 
 def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
@@ -983,7 +984,7 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
            ("all_to_all", rows, 2, 2, "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
     if b.experts_biased:  # each row's expert index travels with it (its bias, passes/ep.py)
         out.append(("all_to_all", rows / (m.hidden * ctx.act_bytes) * 8.0, 1, 0, "EP: routed rows' expert indices (biases)"))
-    if ep_owned(cfg, b):  # one all-to-all per grouped linear (gate, up, down)
+    if ep_owned(cfg, b) and not b.experts_stacked:  # one all-to-all per grouped linear (gate, up, down)
         n = sum(1 for l in b.linears if l.group)
         per = b.expert_params / n / cfg.tp / cfg.ep
         if cfg.fsdp_once == "gather":  # once per step (zero.py): the weights there, the gradients back

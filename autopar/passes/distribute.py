@@ -444,6 +444,16 @@ def _expert_parallel_tp(n: torch.fx.Node, args: tuple, b, ep: ep_pass.EPGroup, o
     return DTensor.from_local(y, am.mesh, pl, run_check=False, shape=shape, stride=_contiguous_stride(shape))
 
 
+def _expert_placement(pl, transposed: bool):
+    """The TP placement of one expert's matrix of a 3-D parameter placed ``pl`` (experts on dim
+    0), as it is or transposed."""
+    if not isinstance(pl, Shard):  # (``_StridedShard`` is a Shard)
+        return pl
+    d = pl.dim - 1
+    d = 1 - d if transposed else d
+    return _StridedShard(d, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else Shard(d)
+
+
 def _expert_bias(n: torch.fx.Node, b, ep: ep_pass.EPGroup, am: ActMesh | None, env: dict, arg) -> torch.Tensor:
     """``n``: a routed call's output plus a table's entry per row (an expert's bias) between the
     calls of expert-parallel block ``b``: the entries of the rows this rank's experts received
@@ -524,6 +534,10 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     split_seq = am is not None and am.has("cp")
     expert_blocks = ep_pass.blocks(gm) if ep is not None else {}
     bias_adds = {u: b for b in expert_blocks.values() for u in b.biases}
+    # Experts in one 3-D parameter: at its unbind, this rank's shard may be its experts' weights.
+    stacked = {s[0]: (c, *s[1:]) for c in expert_blocks
+               if read_experts is not None and (s := ep_pass.stacked_weights(c)) is not None}
+    skipped: set = set()  # the unbind and pieces of a parameter whose shard is this rank's experts
     owned: dict = {}  # a grouped linear's weights -> this rank's experts' whole weights
 
     def to_tp(x, p):
@@ -571,6 +585,14 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                     return [cp.sent(o, am, send_seq) for o in outs]
                 return [o.redistribute(o.device_mesh, [Replicate()] * o.device_mesh.ndim).to_local()
                         if isinstance(o, DTensor) else o for o in outs]
+        if n in stacked and isinstance(env[n.args[0]], Unread):
+            call, transposed, chain = stacked[n]
+            got = read_experts([env[n.args[0]]], n, transposed)
+            if got is not None:
+                owned[tuple(call.args[1])] = got
+                skipped |= chain
+        if n in skipped:
+            continue
         ws = tuple(n.args[1]) if n in expert_blocks and read_experts is not None else ()
         if ws and ws not in owned and all(isinstance(env.get(w), Unread) for w in ws):
             owned[ws] = read_experts([env[w] for w in ws], n)
@@ -690,14 +712,17 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                                    stride=torch.empty(layout.shapes[i], device="meta").stride(), **grad)
         return x
 
-    def read_experts(unread: list[Unread], consumer: torch.fx.Node) -> list[torch.Tensor]:
+    def read_experts(unread: list[Unread], consumer: torch.fx.Node, transposed: bool | None = None) -> list[torch.Tensor]:
         """A grouped linear's expert weights as this rank's experts' whole weights
         (``ep.owned_weights``: their TP shards under TP) and their TP placement, each shard first
         made whole over the replicas (HSDP) and cast to the compute dtype, as ``read_param`` reads
         it; None where the weights are not split alike and evenly over the ep ranks (then each is
-        gathered whole)."""
+        gathered whole). ``transposed`` (not None): ``unread`` is one 3-D parameter of every
+        expert (``ep_pass.stacked_weights``); its FSDP shard along the experts is this rank's
+        experts' weights, each as it is or transposed, with no exchange (not once per step: the
+        runtime then gathers it whole)."""
         dim = layout.owned_dim([u.index for u in unread])
-        if dim is None:
+        if dim is None or (transposed is not None and (dim != 0 or layout.once)):
             return None
         tp_pl = layout.tp.get(unread[0].index, Replicate())
         xs = []
@@ -714,6 +739,8 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                 if layout.compute is not None and x.dtype != layout.compute:
                     x = x.to(layout.compute)
                 xs.append(x)
+            if transposed is not None:
+                return [w.t() if transposed else w for w in xs[0].unbind(0)], _expert_placement(tp_pl, transposed)
             return ep_pass.owned_weights(xs, layout.ep, dim), tp_pl
 
     def joint(primals, tangents):

@@ -13,7 +13,9 @@ block sharing the rows' end offsets per expert. The distribute pass replays each
   reordered by local expert (a stable sort, so each expert's rows keep source order).
 - the **experts** run on the received rows only. Where FSDP shards the experts' weights over
   exactly the ep ranks, each rank receives its own experts' whole weights (``owned_weights``: one
-  all-to-all of shards per expert linear) and runs ``grouped_mm`` over them alone; otherwise with
+  all-to-all of shards per expert linear; experts held in one 3-D parameter, split along the
+  experts, need none: each rank's shard *is* its experts', ``stacked_weights``) and runs
+  ``grouped_mm`` over them alone; otherwise with
   every expert's (gathered or replicated) weight and end offsets in which the other ranks'
   experts own no rows (their gradients are zeros here; the owner computes them, and the
   data-parallel reduction sums them).
@@ -33,6 +35,7 @@ Megatron-LM's expert parallelism do.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +115,26 @@ def _table_rows(u: torch.fx.Node, call: torch.fx.Node) -> torch.fx.Node | None:
             and len(other.args[1]) == 1 and isinstance(other.args[1][0], torch.fx.Node)):
         return other
     return None
+
+
+def stacked_weights(call: torch.fx.Node) -> tuple | None:
+    """For a grouped call whose weights are one 3-D parameter's experts in order (``unbind`` of a
+    placeholder along dim 0, each piece as it is or transposed): (the ``unbind``, whether the
+    pieces are transposed, the nodes from it to the weights); None where the weights are
+    otherwise or those nodes feed anything else."""
+    ws = list(call.args[1])
+    pieces = [w.args[0] if w.target == torch.ops.aten.t.default else w for w in ws]
+    flips = {w is not p for w, p in zip(ws, pieces)}
+    if len(flips) != 1 or not all(p.target is operator.getitem for p in pieces):
+        return None
+    ub = pieces[0].args[0]
+    if (ub.target != torch.ops.aten.unbind.int or (ub.args[1] if len(ub.args) > 1 else ub.kwargs.get("dim", 0)) != 0
+            or ub.args[0].op != "placeholder" or [(p.args[0], p.args[1]) for p in pieces] != [(ub, i) for i in range(len(ws))]):
+        return None
+    chain = {ub, *pieces, *ws}
+    if any(u not in chain and u is not call for x in chain for u in x.users):
+        return None
+    return ub, flips.pop(), chain
 
 
 def _reaches(src: torch.fx.Node, targets: set, pos: dict) -> bool:
