@@ -27,7 +27,8 @@ bench/results/memory.{json,md} (``memory_bf16_mixed.*`` with ``--mp``: both side
 same width fed 224-pixel images, the input path of issue 28; ``memory_bart.*`` with ``--model
 bart``: an encoder-decoder, both stacks' layers gathered where used on both sides; ``memory_gpt-oss.*``
 with ``--model gpt-oss``: experts held as 3-D parameters, FSDP2 running transformers' own loop
-over the experts hit, autopar its routed form).
+over the experts hit, autopar its routed form; ``--only ep2_fsdp2``: autopar under expert
+parallelism, each rank running its own experts, against the same FSDP2).
 Targets (issue 22): autopar / FSDP2 <= 1.0 at both depths, growth with depth no steeper.
 """
 
@@ -53,7 +54,11 @@ BATCH, SEQ = 4, 256  # global: each data-parallel rank runs its share in one mic
 CONFIGS = {
     "fsdp": (2, {"dp": 2, "fsdp": 1, "reshard": 1, "tp": 1, "pp": 1, "ac": "none"}),
     "tp2_fsdp2": (4, {"tp": 2, "sp": 0, "dp": 2, "fsdp": 1, "reshard": 1, "pp": 1, "ac": "none"}),
+    # mixtures of experts only (``--model gpt-oss --only ep2_fsdp2``): each rank runs its own
+    # experts (its FSDP shard of the 3-D weights) on the rows routed to them
+    "ep2_fsdp2": (2, {"dp": 2, "fsdp": 1, "reshard": 1, "tp": 1, "pp": 1, "ac": "none", "ep": 2}),
 }
+BY_DEFAULT = ("fsdp", "tp2_fsdp2")
 
 
 IMAGE, PATCH, CLASSES = 224, 16, 1000  # --model vit: 197 tokens an image, an ImageNet head
@@ -269,7 +274,8 @@ def _run(name, layers, steps, compile, mp, model) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="8,16")
-    ap.add_argument("--only", default="", help="configurations (default: all): " + ",".join(CONFIGS))
+    ap.add_argument("--only", default="", help="configurations (default: " + ",".join(BY_DEFAULT) + "): "
+                    + ",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--mp", default="", help="a mixed precision for both sides (e.g. bf16-mixed; default: fp32)")
@@ -285,7 +291,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-inductor-"))
     os.environ.setdefault("AUTOPAR_CACHE_DIR", tempfile.mkdtemp(prefix="autopar-cache-"))  # a first run's setup
     rows = []
-    for name in [n for n in CONFIGS if not args.only or n in args.only.split(",")]:
+    for name in [n for n in CONFIGS if n in (args.only.split(",") if args.only else BY_DEFAULT)]:
         for layers in map(int, args.layers.split(",")):
             world = CONFIGS[name][0]
             per = launch.run(world, "gloo", _run, name, layers, args.steps, not args.no_compile, args.mp, args.model)
