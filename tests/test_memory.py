@@ -248,8 +248,9 @@ def test_once_per_step_collectives_are_the_priced_ones(fake_group):
 # Expert parallelism: the executed step holds the rank's own experts' weights and the rows routed
 # to it (the walk takes each routed size at its even share); measured 0.89 (no AC) and 0.91 (full)
 # of the prediction; gpt-oss (experts in 3-D parameters, each rank's shard its own experts', and
-# biased; eager attention with sinks) 0.81 at 64 tokens a sequence, 0.76 at 32: over-predicted, the
-# cause not found yet (before each rank read its own experts' shard: 0.53). Under EP x TP + SP
+# biased; eager attention with sinks) 0.81 at 64 tokens a sequence, 0.76 at 32: its layers 0.92 of
+# their price, its head and loss (the peak, at hidden 64 a large share) about a quarter (before
+# each rank read its own experts' shard: 0.53). Under EP x TP + SP
 # with selective AC the prediction is 26% above (0.74): not asserted here.
 @pytest.mark.parametrize("kind,ac,once,seq,rel", [
     ("hf-mixtral", "none", "microbatch", 32, 0.15), ("hf-mixtral", "full", "microbatch", 32, 0.15),
