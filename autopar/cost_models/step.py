@@ -973,17 +973,19 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
     """What expert parallelism moves per layer and microbatch (kind, bytes each rank sends,
     forward count, backward count, why): the experts' row counts, each token's ``top_k`` rows to
     their experts' ranks and the experts' outputs back (the busiest rank's: ``ctx.ep_imbalance``
-    times the even share), and, where each rank reads only its own experts (``ep_owned``), their
-    weights' shards."""
+    times the even share), biased experts' row indices (one integer a row), and, where each rank
+    receives its own experts' weights (``ep_owned``, experts as modules: 3-D experts' are the
+    rank's own shard already), their shards."""
     if cfg.ep == 1 or not b.experts:
         return []
     n_experts, top_k = b.experts
     m = ctx.model
-    rows = cfg.mb / cfg.cp * m.seq_len * top_k * m.hidden * ctx.act_bytes * ctx.ep_imbalance
+    n_rows = cfg.mb / cfg.cp * m.seq_len * top_k * ctx.ep_imbalance
     out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count"),
-           ("all_to_all", rows, 2, 2, "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
+           ("all_to_all", n_rows * m.hidden * ctx.act_bytes, 2, 2,
+            "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
     if b.experts_biased:  # each row's expert index travels with it (its bias, passes/ep.py)
-        out.append(("all_to_all", rows / (m.hidden * ctx.act_bytes) * 8.0, 1, 0, "EP: routed rows' expert indices (biases)"))
+        out.append(("all_to_all", 8.0 * n_rows, 1, 0, "EP: routed rows' expert indices (biases)"))
     if ep_owned(cfg, b) and not b.experts_stacked:  # one all-to-all per grouped linear (gate, up, down)
         n = sum(1 for l in b.linears if l.group)
         per = b.expert_params / n / cfg.tp / cfg.ep

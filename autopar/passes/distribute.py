@@ -535,8 +535,11 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     expert_blocks = ep_pass.blocks(gm) if ep is not None else {}
     bias_adds = {u: b for b in expert_blocks.values() for u in b.biases}
     # Experts in one 3-D parameter: at its unbind, this rank's shard may be its experts' weights.
-    stacked = {s[0]: (c, *s[1:]) for c in expert_blocks
-               if read_experts is not None and (s := ep_pass.stacked_weights(c)) is not None}
+    stacked = {}  # unbind of a 3-D weight -> (its call, pieces transposed, the nodes to the call)
+    for c in expert_blocks if read_experts is not None else ():
+        if (found := ep_pass.stacked_weights(c)) is not None:
+            unbind, transposed, chain = found
+            stacked[unbind] = (c, transposed, chain)
     skipped: set = set()  # the unbind and pieces of a parameter whose shard is this rank's experts
     owned: dict = {}  # a grouped linear's weights -> this rank's experts' whole weights
 
