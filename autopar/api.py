@@ -978,7 +978,11 @@ def compile(
     from autopar.runtime import guarded
 
     t0 = time.perf_counter()
-    with guarded("autopar.compile"):
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    # Graph modules made while compiling generate their Python code only when run or read
+    # (passes.graph_module).
+    with guarded("autopar.compile"), _use_lazy_graph_module(True):
         pm = _compile(model, mesh, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn,
                       plan=plan, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,

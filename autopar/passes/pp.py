@@ -29,6 +29,7 @@ import torch
 
 from autopar.capture import StepGraph
 from autopar.errors import AutoparError
+from autopar.passes import graph_module
 
 
 def _stage_of_nodes(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> tuple[dict, set]:
@@ -140,7 +141,7 @@ def split(sg: StepGraph, layer_stage: dict[int, int], n_stages: int) -> list[Ste
             g.output(torch.fx.node.map_arg(out_node.args[0], lambda a: env[a]))
         else:
             g.output([env[v] for v in boundaries[s]] + [env[x] for x in model_inputs])
-        sgm = torch.fx.GraphModule(gm, g)
+        sgm = graph_module(gm, g)
         st = StepGraph(sgm, [sg.param_names[i] for i in used_params],
                        {sg.param_names[i]: sg.aliases.get(sg.param_names[i], []) for i in used_params},
                        [sg.buffer_names[j] for j in used_bufs], len(received) + len(model_inputs), False,
@@ -253,4 +254,4 @@ def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.Gr
     gw.output([envw[x] if isinstance(x, torch.fx.Node) else x for x in w_outs])
     gi.lint()
     gw.lint()
-    return torch.fx.GraphModule(bw, gi), torch.fx.GraphModule(bw, gw), len(i_outs)
+    return graph_module(bw, gi), graph_module(bw, gw), len(i_outs)

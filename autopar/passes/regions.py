@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from autopar.fxops import is_view
 from autopar.memory import in_kernel
+from autopar.passes import graph_module
 from autopar.passes.ac import _draws_random
 
 _INVOKE = torch.ops.higher_order.invoke_subgraph
@@ -327,7 +328,7 @@ def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict, views: dict) -> tupl
                 flat_env[n].meta = {**n.meta, "segment": item[1], "segment_out": j in outs[k]}
         if k not in names:
             names[k] = f"_layer_segment_{len(names)}"
-            gm.add_submodule(names[k], fx.GraphModule(gm, _subgraph(s, ins, outs[k])))
+            gm.add_submodule(names[k], graph_module(gm, _subgraph(s, ins, outs[k])))
         call = g.call_function(_INVOKE, (g.get_attr(names[k]), names[k], *[env[a] for a in ins]))
         call.meta["val"] = tuple(s[j].meta.get("val") for j in outs[k])
         for i, j in enumerate(outs[k]):
@@ -346,7 +347,7 @@ def _rebuild(gm: fx.GraphModule, wrapped: list, outs: dict, views: dict) -> tupl
             pending.remove(p)
     if pending:
         return None  # a segment that reads itself through the outer graph: leave the graph flat
-    new, ordered = fx.GraphModule(gm, g), fx.GraphModule(gm, flat)
+    new, ordered = graph_module(gm, g), graph_module(gm, flat)
     new.graph.lint()
     ordered.graph.lint()
     return new, len(names), len(wrapped), ordered
