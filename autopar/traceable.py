@@ -70,7 +70,8 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
         finally:
             tc._is_compiling_flag = False
 
-    if model is not None and not tc._is_compiling_flag and (routed_experts(model) or stacked_experts(model)):
+    if model is not None and not tc._is_compiling_flag and (routed_experts(model) or stacked_experts(model)
+                                                            or looped_experts(model)):
         # A routed-experts block's own loop is value-dependent (tokens per expert): a first trace
         # would stop there after tracing what comes before; go straight to the export path.
         return exported()
@@ -278,30 +279,39 @@ def _grouped_experts(r: RoutedExperts, x: torch.Tensor, chosen: torch.Tensor, we
     offs = counts.cumsum(0)
     expert_of_row = flat[order]
     rows = x[order // k]
-    first = m.experts[0]
-    swapped = {}
-    for name in r.linears:
-        lin = first.get_submodule(name)
-        ws = [e.get_submodule(name).weight for e in m.experts]
-        bs = [e.get_submodule(name).bias for e in m.experts] if lin.bias is not None else None
-
-        def grouped(t, ws=ws, bs=bs):
-            y = grouped_mm(t, ws, offs)
-            return y if bs is None else y + torch.stack(bs)[expert_of_row]
-
-        swapped[name] = lin
-        lin.forward = grouped
-    try:
-        ys = first(rows)
-    finally:
-        for lin in swapped.values():
-            lin.__dict__.pop("forward", None)
+    ys = _experts_grouped(m.experts, r.linears, rows, offs, expert_of_row)
     ys = ys.to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(1)
     back = ys[order.argsort()].reshape(n_tok, k, -1)  # each token's k rows, in expert order
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     for j in range(k):
         out = out + back[:, j]
     return out
+
+
+def _experts_grouped(experts: nn.ModuleList, linears: tuple[str, ...], rows: torch.Tensor, offs: torch.Tensor,
+                     expert_of_row: torch.Tensor) -> torch.Tensor:
+    """``rows`` sorted by expert (expert ``e``'s end at ``offs[e]``) through the first expert's own
+    forward with each of its linears swapped for one ``grouped_mm`` over every expert's weight
+    (each row's expert's bias added): each row through its own expert, the activations and
+    gating the experts' own."""
+    first = experts[0]
+    swapped = []
+    for name in linears:
+        lin = first.get_submodule(name)
+        ws = [e.get_submodule(name).weight for e in experts]
+        bs = [e.get_submodule(name).bias for e in experts] if lin.bias is not None else None
+
+        def grouped(t, ws=ws, bs=bs):
+            y = grouped_mm(t, ws, offs)
+            return y if bs is None else y + torch.stack(bs)[expert_of_row]
+
+        swapped.append(lin)
+        lin.forward = grouped
+    try:
+        return first(rows)
+    finally:
+        for lin in swapped:
+            lin.__dict__.pop("forward", None)
 
 
 def _dense_experts(r: RoutedExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, acc) -> torch.Tensor:
@@ -404,6 +414,9 @@ class _ExpertMask(_Marker):
     def __getitem__(self, i):
         return self
 
+    def squeeze(self, *a):
+        return self
+
     def nonzero(self, *a, **k):
         return [[_EVERY]]
 
@@ -417,7 +430,7 @@ class _Grouped(_Marker):
 
 
 def _has_every(i) -> bool:
-    return i is _EVERY or (isinstance(i, tuple) and any(x is _EVERY for x in i))
+    return i is _EVERY or (isinstance(i, (tuple, list)) and any(x is _EVERY for x in i))
 
 
 class _EveryExpertAtOnce(torch.overrides.TorchFunctionMode):
@@ -428,17 +441,27 @@ class _EveryExpertAtOnce(torch.overrides.TorchFunctionMode):
     ``grouped_mm``. The model's own ``index_add_`` then adds each row onto its token, in expert
     order as the loop adds them. Anything else done with the loop's index stops the trace, in words."""
 
-    def __init__(self, s: StackedExperts, idx: torch.Tensor):
+    def __init__(self, s: StackedExperts | LoopedExperts, idx: torch.Tensor | None = None):
         super().__init__()
         self.s, self.idx = s, idx
+        if idx is not None:
+            self._sort(idx)
+        self.weights = {id(p) for p in s.module.parameters(recurse=False) if p.dim() == 3}
+        self.masked = False  # the loop made its expert mask (one_hot of the chosen experts)
+
+    def _sort(self, idx: torch.Tensor) -> None:
+        """The (token, expert) pairs of the chosen experts ``idx`` (tokens, top_k), sorted by expert."""
+        self.idx = idx
         k = idx.shape[-1]
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
         self.tok, self.pos, self.expert = order // k, order % k, flat[order]
-        counts = torch.zeros(s.n_experts, dtype=torch.int64, device=idx.device)
+        counts = torch.zeros(self.s.n_experts, dtype=torch.int64, device=idx.device)
         self.offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0)
-        self.weights = {id(p) for p in s.module.parameters(recurse=False) if p.dim() == 3}
-        self.masked = False  # the loop made its expert mask (one_hot of the chosen experts)
+
+    def grouped(self, rows: torch.Tensor) -> torch.Tensor:
+        """``experts[i]`` of a list of expert modules, for all experts, on the rows sorted by expert."""
+        return _experts_grouped(self.s.module.experts, self.s.linears, rows, self.offs, self.expert)
 
     def _refuse(self, what: str):
         raise TraceError(f"the experts {self.s.name} ({type(self.s.module).__name__}) {what}, which autopar's "
@@ -449,6 +472,9 @@ class _EveryExpertAtOnce(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         vals = (*args, *kwargs.values())
+        if func is F.one_hot and args and self.idx is None and isinstance(self.s, LoopedExperts) \
+                and not args[0].is_floating_point() and args[0].dim() == 2:
+            self._sort(args[0])  # a block that routes in its own forward: its chosen experts
         if func is F.one_hot and args and args[0] is self.idx:
             self.masked = True
             return _ExpertMask()
@@ -460,6 +486,8 @@ class _EveryExpertAtOnce(torch.overrides.TorchFunctionMode):
             self._refuse(f"computes {getattr(func, '__name__', func)} of its expert mask")
         if func is torch.Tensor.__getitem__ and _has_every(args[1]):
             t, i = args
+            if isinstance(i, list) and len(i) == 1:  # the loop's index as nonzero's row gives it
+                i = i[0]
             if i is _EVERY and id(t) in self.weights:
                 return _Grouped(t)
             i = self.expert if i is _EVERY else tuple(self.expert if x is _EVERY else x for x in i)
@@ -504,6 +532,84 @@ def stacked_experts_forward(s: StackedExperts, *args, **kwargs):
     return out
 
 
+# Expert modules looped over by their block's own routing code ---------------------------------
+@dataclass(frozen=True)
+class LoopedExperts:
+    """A mixture-of-experts block, not one ``routed_experts`` knows, whose ``experts`` are a list
+    of identical modules of linears and whose own forward scores and chooses the experts (its own
+    code: Ernie 4.5's bias-corrected top-k, Hunyuan's gate module) and then loops over the experts
+    hit as Mixtral's does: one_hot of the chosen experts, nonzero, ``experts[i]`` on the rows
+    ``torch.where`` finds, index_add_ of the rows. ``looped_experts_forward`` runs that forward
+    once, for every expert at a time."""
+
+    name: str
+    module: nn.Module
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.module.experts)
+
+    @property
+    def linears(self) -> tuple[str, ...] | None:
+        return _linears(self.module.experts[0])
+
+
+def looped_experts(model: nn.Module) -> list[LoopedExperts]:
+    """The blocks of a list of identical expert modules of linears, scored by a ``(experts, hidden)``
+    weight of the block's own (its router), that ``routed_experts`` does not take."""
+    known = {r.name for r in routed_experts(model)}
+    out = []
+    for name, m in model.named_modules():
+        experts = getattr(m, "experts", None)
+        if name in known or not isinstance(experts, nn.ModuleList) or len(experts) < 2 \
+                or len({type(e) for e in experts}) != 1 or _linears(experts[0]) is None:
+            continue
+        if _router_weight(m, len(experts)) is not None:
+            out.append(LoopedExperts(name, m))
+    return out
+
+
+def _router_weight(block: nn.Module, n_experts: int) -> torch.Tensor | None:
+    """The ``(n_experts, hidden)`` weight of ``block`` outside its experts that scores them."""
+    inside = {id(p) for p in block.experts.parameters()}
+    return next((p for p in block.parameters() if id(p) not in inside and p.dim() == 2 and p.shape[0] == n_experts), None)
+
+
+class _GroupedExperts:
+    """A block's ``experts`` list while ``looped_experts_forward`` runs: indexed by the loop's
+    every-expert index it is every expert at once (``_EveryExpertAtOnce.grouped``)."""
+
+    def __init__(self, experts: nn.ModuleList, mode: _EveryExpertAtOnce):
+        self.experts, self.mode = experts, mode
+
+    def __getitem__(self, i):
+        return self.mode.grouped if _has_every(i) else self.experts[i]
+
+    def __len__(self):
+        return len(self.experts)
+
+    def __iter__(self):
+        return iter(self.experts)
+
+
+def looped_experts_forward(lp: LoopedExperts, *args, **kwargs):
+    """The block's own forward with fixed shapes: its routing as it is, then its loop over the
+    experts once, every expert on its own rows only (the active FLOPs)."""
+    m = lp.module
+    mode = _EveryExpertAtOnce(lp)
+    m.__dict__["experts"] = _GroupedExperts(m.experts, mode)  # found before the registered module
+    try:
+        with mode:
+            out = _own_forward(m)(m, *args, **kwargs)
+    except (AttributeError, TypeError, IndexError) as e:
+        mode._refuse(f"loop over their experts otherwise ({type(e).__name__}: {e})")
+    finally:
+        m.__dict__.pop("experts", None)
+    if not mode.masked:
+        mode._refuse("find their experts' tokens without one_hot of the chosen experts")
+    return out
+
+
 @contextlib.contextmanager
 def _forward_as(m: nn.Module, fn: Callable):
     """``m`` runs ``fn`` as its forward inside the block; after it, a forward patched on the
@@ -526,11 +632,14 @@ class _RoutedForm(contextlib.ExitStack):
         super().__init__()
         self.blocks = routed_experts(model)
         self.stacked = stacked_experts(model)
+        self.looped = looped_experts(model)
 
     def __enter__(self):
         super().__enter__()
         for r in self.blocks:
             self.enter_context(_forward_as(r.module, lambda hidden, r=r: routed_experts_forward(r, hidden)))
+        for lp in self.looped:
+            self.enter_context(_forward_as(lp.module, lambda *a, lp=lp, **k: looped_experts_forward(lp, *a, **k)))
         for s in self.stacked:
             self.enter_context(_forward_as(s.module, lambda *a, s=s, **k: stacked_experts_forward(s, *a, **k)))
         return self
@@ -599,6 +708,19 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
                 f"fixed-shape routed-experts form computes ({why}); its routing (e.g. sigmoid scores, grouped or "
                 "biased top-k, capacity limits) is not the softmax top-k autopar knows, so it is not trained "
                 "rather than trained as a different model")
+    for lp in looped_experts(model):
+        w = _router_weight(lp.module, lp.n_experts)
+        if not _real(w):
+            continue
+        x = _tokens_for(w, w.shape[1], tokens)
+        with torch.no_grad():
+            own = lp.module(x)
+            with _forward_as(lp.module, lambda *a, lp=lp, **k: looped_experts_forward(lp, *a, **k)):
+                why = _differs(own, lp.module(x))
+        if why:
+            raise AutoparError(f"the mixture-of-experts block {lp.name} ({type(lp.module).__name__}) does not compute "
+                               f"what autopar's fixed-shape form of its loop over the experts computes ({why}), so it "
+                               "is not trained rather than trained as a different model")
     for st in stacked_experts(model):
         m = st.module
         if not _real(next(m.parameters())):

@@ -233,6 +233,9 @@ def _grad_diffs(pm, ref) -> dict:
     for name, p in pm.named_parameters():
         g = _full(p.grad) if p.grad is not None else None
         r = ref_g[name].grad
+        if g is None and r is None and not ref_g[name].requires_grad:  # frozen on both sides
+            diffs[name] = 0.0
+            continue
         diffs[name] = float((g - r).abs().max()) if g is not None else float("inf")
     return {"grad_max_diff": max(diffs.values()), "worst_param": max(diffs, key=diffs.get), "n_params": len(diffs),
             "param_names": sorted(diffs), "n_ref_params": len(ref_g),

@@ -596,6 +596,76 @@ def test_experts_in_3d_parameters_looping_otherwise_are_refused():
         autopar.compile(model, 1, example_inputs=(torch.randint(0, 100, (2, 16)),))
 
 
+# Expert modules looped over by their block's own routing code (Ernie 4.5's bias-corrected top-k,
+# Hunyuan's gate module): the block's forward run once for every expert by
+# traceable.looped_experts_forward.
+@pytest.mark.parametrize("kind", ["hf:ernie4_5_moe-3layers", "hf:hunyuan_v1_moe"])
+def test_experts_looped_by_their_blocks_own_routing_run_for_all_experts_at_once(kind):
+    """The block's own forward with its loop run once computes what the loop computes, forward
+    and backward (the input's and every trained weight's gradients: router, experts, shared
+    expert), and the traced step applies each expert linear as one grouped matmul over tokens x
+    top_k rows (no nonzero)."""
+    from autopar.grouped_mm import GROUPED_MM
+
+    torch.manual_seed(0)
+    model = zoo.build(kind)
+    loops = traceable.looped_experts(model)
+    assert loops and not traceable.routed_experts(model) and all(lp.n_experts == 4 for lp in loops)
+    traceable.check_routed_experts(model)
+    lp = loops[0]
+    m = lp.module
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    weights = [p for p in m.parameters() if p.requires_grad]
+
+    def out(y):
+        return y[0] if isinstance(y, tuple) else y
+
+    own = out(m(x))
+    g_own = torch.autograd.grad(own.square().sum(), [x, *weights])
+    with traceable._forward_as(m, lambda *a, **k: traceable.looped_experts_forward(lp, *a, **k)):
+        mine = out(m(x))
+    g_mine = torch.autograd.grad(mine.square().sum(), [x, *weights])
+    torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_mine, g_own):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    sg = _step_graph(model)
+    top_k = int(getattr(model.config, "moe_k", None) or model.config.moe_topk)
+    grouped = list(sg.gm.graph.find_nodes(op="call_function", target=GROUPED_MM))
+    assert len(grouped) == 3 * len(loops) and all(n.meta["val"].shape[0] == 2 * 16 * top_k for n in grouped)
+    assert not [n for n in sg.gm.graph.nodes if "nonzero" in str(n.target)]
+
+
+class _ListedLoop(nn.Module):
+    """Experts scored by the block's own router and looped over by the experts' indices as
+    Python ints: not the loop the fixed-shape form runs."""
+
+    def __init__(self, dim=16, n=4):
+        super().__init__()
+        self.router = nn.Linear(dim, n, bias=False)
+        self.scale = nn.Identity()  # a child the routed form does not know
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim)) for _ in range(n))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        chosen = self.router(flat).topk(2, dim=-1).indices
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        out = torch.zeros_like(flat)
+        for e in mask.sum(dim=(-1, -2)).nonzero().flatten().tolist():
+            pos, tok = torch.where(mask[e])
+            out.index_add_(0, tok, self.experts[e](flat[tok]))
+        return out.reshape(x.shape)
+
+
+def test_experts_looped_otherwise_are_refused():
+    """A block of expert modules that loops over its experts otherwise is refused in words,
+    naming the block, before anything trains."""
+    model = nn.Sequential(_ListedLoop())
+    assert [lp.name for lp in traceable.looped_experts(model)] == ["0"]
+    with pytest.raises((AutoparError, TraceError), match=r"experts 0 \(_ListedLoop\)"):
+        traceable.check_routed_experts(model)
+
+
 def test_grouped_kernel_reads_a_3d_expert_weight_in_place():
     """On the GPU path ``torch._grouped_mm`` takes every expert's matrix as one (E, out, in)
     tensor: for a 3-D expert weight's experts (unbind, transposed or not) that is a view of the

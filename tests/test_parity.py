@@ -206,7 +206,9 @@ CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mi
 CI_EP_TP = [case("hf-mixtral", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
             case("hf-deepseek-v2", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1}),
             case("hf-gpt-oss", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
-            case("custom-qwen2-moe-biased", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1})]
+            case("custom-qwen2-moe-biased", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1}),
+            # experts looped over by the block's own routing (Ernie 4.5: a bias-corrected top-k, frozen)
+            case("hf:ernie4_5_moe-3layers", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1})]
 LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), "models_hf": (4, CI_PLANS_HF),
             "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
             "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP),

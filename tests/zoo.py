@@ -156,6 +156,13 @@ def _hf(kind: str, **overrides) -> nn.Module:
                             num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=CLASSES)
         cls = tf.SwinForImageClassification
+    elif kind.startswith("hf:"):  # any causal LM by transformers' model type, at the llama-like sizes
+        moe = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        cfg = tf.AutoConfig.for_model(kind[3:], **llama_like, **moe, head_dim=8, attention_dropout=0.0, pad_token_id=0)
+        cls = tf.AutoModelForCausalLM._model_mapping[type(cfg)]
+        for k, v in vars(cfg).items():  # every dropout off, as in the families above
+            if k.endswith(("dropout", "pdrop")) and isinstance(v, float):
+                setattr(cfg, k, 0.0)
     else:
         raise KeyError(kind)
     for k, v in overrides.items():
@@ -415,10 +422,10 @@ def build(kind: str, **overrides) -> nn.Module:
         return TitanLlama()
     if kind == "diffusers-dit":
         return _dit()
-    if kind.startswith("hf-") and kind.endswith("layers"):  # "hf-<family>-<n>layers": n decoder layers
+    if kind.startswith(("hf-", "hf:")) and kind.endswith("layers"):  # "hf-<family>-<n>layers": n decoder layers
         base, n = kind.rsplit("-", 1)
         return _hf(base, num_hidden_layers=int(n.removesuffix("layers")), **overrides)
-    if kind.startswith("hf-"):
+    if kind.startswith(("hf-", "hf:")):
         return _hf(kind, **overrides)
     if kind == "custom-llama":
         return CustomLlama()
