@@ -513,10 +513,86 @@ def _own_forward(m: nn.Module):
     return inspect.unwrap(type(m).forward)
 
 
+class _Count(_Marker):
+    """One expert's row count from a router's ``tolist()`` of its rows per expert while tracing
+    (``_ExpertSizes``): the experts called with a list of them (their rows already sorted by
+    expert) run as one grouped matmul with those counts. The counts' end offsets are made once,
+    so every grouped matmul of the block reads the same ones (one routing under EP)."""
+
+    def __init__(self, counts: torch.Tensor, ends: dict):
+        self.counts, self._ends = counts, ends
+
+    @property
+    def offs(self) -> torch.Tensor:
+        if "offs" not in self._ends:
+            self._ends["offs"] = self.counts.cumsum(0)
+        return self._ends["offs"]
+
+
+class _ExpertSizes(torch.overrides.TorchFunctionMode):
+    """A router's ``tolist()`` of a 1-D integer tensor with one entry per expert of a module of
+    experts held as 3-D parameters (Granite MoE's rows per expert, which its experts split their
+    sorted rows by) gives ``_Count``s instead of values no fixed-shape graph holds. (``tolist``
+    reaches a mode as ``unbind`` and an ``item`` of each piece while tracing, as itself in eager.)"""
+
+    def __init__(self, experts: list[StackedExperts]):
+        super().__init__()
+        self.experts = experts
+        self.n_experts = {st.n_experts for st in experts}
+        self.pieces: dict[int, _Count] = {}  # id of an unbound piece of the counts -> its _Count
+
+    def _counts(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() \
+            and t.shape[0] in self.n_experts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(a, _Count) or (isinstance(a, (list, tuple)) and any(isinstance(c, _Count) for c in a))
+               for a in (*args, *kwargs.values())):
+            st = self.experts[0]
+            raise TraceError(f"the experts {st.name} ({type(st.module).__name__}) and their block read a tensor of "
+                             f"one value per expert (their rows per expert?) as a list and use it in "
+                             f"{getattr(func, '__name__', func)}, which autopar's fixed-shape form does not know (it "
+                             "passes such a list to experts that split their rows by it, Granite MoE's loop)")
+        if func is torch.Tensor.tolist and self._counts(args[0]):
+            return [_Count(args[0], {})] * args[0].shape[0]
+        if func is torch.Tensor.item and id(args[0]) in self.pieces:
+            return self.pieces[id(args[0])]
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.unbind and self._counts(args[0]) and (args[1:] or kwargs.get("dim", 0)) in ((0,), 0):
+            count = _Count(args[0], {})
+            self.pieces.update({id(p): count for p in out})
+        return out
+
+
+def _sized(forward: Callable, experts: list[StackedExperts], *args, **kwargs):
+    with _ExpertSizes(experts):
+        return forward(*args, **kwargs)
+
+
+def _sized_experts(s: StackedExperts, rows: torch.Tensor, sizes: list) -> torch.Tensor:
+    """Experts given their rows sorted by expert and each expert's count: each row through its own
+    expert's matrix (``weight[e]`` applied as a linear's), one ``grouped_mm``."""
+    (w, *more) = list(s.module.parameters(recurse=False))
+    if more or w.dim() != 3:
+        raise TraceError(f"the experts {s.name} ({type(s.module).__name__}) are called with their rows per expert "
+                         "but hold other parameters than one 3-D weight, which autopar's grouped form of them "
+                         "does not know")
+    if len({id(c.counts) for c in sizes}) != 1 or len(sizes) != w.shape[0]:
+        raise TraceError(f"the experts {s.name} ({type(s.module).__name__}) are called with row counts of other "
+                         "experts than theirs")
+    return grouped_mm(rows, list(w.unbind(0)), sizes[0].offs)
+
+
 def stacked_experts_forward(s: StackedExperts, *args, **kwargs):
     """The experts' own forward with fixed shapes: every expert applied to its own rows only (the
     active FLOPs), by ``_EveryExpertAtOnce``. The chosen experts are the one integer 2-D tensor
-    the call is given; experts called without one run their own forward as it is."""
+    the call is given; experts called with their rows per expert (``_Count``s) apply each row's
+    matrix as one grouped matmul; experts called with neither run their own forward as it is."""
+    sizes = [a for a in (*args, *kwargs.values()) if isinstance(a, list) and a and all(isinstance(c, _Count) for c in a)]
+    rows = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if len(sizes) == 1 and len(rows) == 1:
+        return _sized_experts(s, rows[0], sizes[0])
     idx = [a for a in (*args, *kwargs.values())
            if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dim() == 2]
     if len(idx) != 1:  # not given the chosen experts: a form of their own (Llama 4's every expert on every row)
@@ -630,6 +706,7 @@ class _RoutedForm(contextlib.ExitStack):
 
     def __init__(self, model: nn.Module):
         super().__init__()
+        self.model = model
         self.blocks = routed_experts(model)
         self.stacked = stacked_experts(model)
         self.looped = looped_experts(model)
@@ -640,6 +717,12 @@ class _RoutedForm(contextlib.ExitStack):
             self.enter_context(_forward_as(r.module, lambda hidden, r=r: routed_experts_forward(r, hidden)))
         for lp in self.looped:
             self.enter_context(_forward_as(lp.module, lambda *a, lp=lp, **k: looped_experts_forward(lp, *a, **k)))
+        # A router's rows per expert as a list (``_Count``s), inside the blocks of such experts (a
+        # mode entered here, outside the trace, would sit below the tracer's own).
+        for block in dict.fromkeys(st.name.rpartition(".")[0] for st in self.stacked):
+            parent = self.model.get_submodule(block)
+            sts = [st for st in self.stacked if st.name.rpartition(".")[0] == block]
+            self.enter_context(_forward_as(parent, lambda *a, f=parent.forward, sts=sts, **k: _sized(f, sts, *a, **k)))
         for s in self.stacked:
             self.enter_context(_forward_as(s.module, lambda *a, s=s, **k: stacked_experts_forward(s, *a, **k)))
         return self
@@ -721,12 +804,15 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
             raise AutoparError(f"the mixture-of-experts block {lp.name} ({type(lp.module).__name__}) does not compute "
                                f"what autopar's fixed-shape form of its loop over the experts computes ({why}), so it "
                                "is not trained rather than trained as a different model")
+    by_block: dict[str, list[StackedExperts]] = {}
     for st in stacked_experts(model):
-        m = st.module
+        by_block.setdefault(st.name.rpartition(".")[0], []).append(st)
+    for block, sts in by_block.items():  # every module of experts of a block in its form at once
+        st, m = sts[0], sts[0].module
         if not _real(next(m.parameters())):
             continue
-        parent = model.get_submodule(st.name.rpartition(".")[0])
-        inside = {id(p) for p in m.parameters()}
+        parent = model.get_submodule(block)
+        inside = {id(p) for x in sts for p in x.module.parameters()}
         # The block's router scores the experts: a (num_experts, hidden) weight beside them.
         hidden = next((p.shape[1] for p in parent.parameters()
                        if id(p) not in inside and p.dim() == 2 and p.shape[0] == st.n_experts), None)
@@ -736,15 +822,28 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
                                "form of them against their own loop; they are not trained rather than trained as "
                                "a different model")
         x = _tokens_for(next(m.parameters()), hidden, tokens)
-        with torch.no_grad():
-            with _forward_as(m, _own_forward(m).__get__(m)):
-                own = parent(x)
-            with _forward_as(m, lambda *a, st=st, **k: stacked_experts_forward(st, *a, **k)):
-                why = _differs(own, parent(x))
+        try:
+            with torch.no_grad():
+                with contextlib.ExitStack() as own_form:
+                    for e in sts:
+                        own_form.enter_context(_forward_as(e.module, _own_forward(e.module).__get__(e.module)))
+                    own = parent(x)
+                with contextlib.ExitStack() as form:
+                    for e in sts:
+                        form.enter_context(_forward_as(e.module, lambda *a, e=e, **k: stacked_experts_forward(e, *a, **k)))
+                    form.enter_context(_ExpertSizes(sts))
+                    why = _differs(own, parent(x))
+        except (TraceError, AutoparError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a block that is not called on tokens alone
+            raise AutoparError(
+                f"the experts {st.name} ({type(m).__name__}): their block {type(parent).__name__} cannot be run on "
+                f"tokens alone ({type(e).__name__}: {e}), so autopar cannot check its fixed-shape form of them "
+                "against their own code; they are not trained rather than trained as a different model") from e
         if why:
-            raise AutoparError(f"the experts {st.name} ({type(m).__name__}) do not compute what autopar's fixed-shape "
-                               f"form of them computes ({why}), so they are not trained rather than trained as a "
-                               "different model")
+            raise AutoparError(f"the experts {', '.join(e.name for e in sts)} ({type(m).__name__}) do not compute what "
+                               f"autopar's fixed-shape form of them computes ({why}), so they are not trained rather "
+                               "than trained as a different model")
     return blocks
 
 

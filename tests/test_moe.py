@@ -666,6 +666,37 @@ def test_experts_looped_otherwise_are_refused():
         traceable.check_routed_experts(model)
 
 
+def test_experts_given_their_rows_per_expert_run_as_one_grouped_matmul():
+    """Granite MoE's router sorts the rows by expert and hands its experts (3-D parameters) each
+    one's row count as a Python list (``tolist``: values no static graph holds), which they split
+    their rows by. Traced, the experts run as one grouped matmul over those rows, the counts'
+    offsets made once per block (one routing under EP): the block's output and gradients are its
+    own split-and-loop's, and the trace reads no value."""
+    from autopar.grouped_mm import GROUPED_MM
+
+    torch.manual_seed(0)
+    model = zoo.build("hf:granitemoe")
+    assert len(traceable.stacked_experts(model)) == 4  # input and output experts of 2 layers
+    traceable.check_routed_experts(model)
+    block = model.model.layers[0].block_sparse_moe
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    weights = list(block.parameters())
+    own = block(x)[0]
+    g_own = torch.autograd.grad(own.square().sum(), [x, *weights])
+    with traceable._RoutedForm(model):
+        mine = block(x)[0]
+    g_mine = torch.autograd.grad(mine.square().sum(), [x, *weights])
+    torch.testing.assert_close(mine, own, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_mine, g_own):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    sg = _step_graph(model)
+    grouped = list(sg.gm.graph.find_nodes(op="call_function", target=GROUPED_MM))
+    assert len(grouped) == 4 and all(n.meta["val"].shape[0] == 2 * 16 * 2 for n in grouped)
+    assert len({n.args[2] for n in grouped}) == 2  # one offsets node per block
+    assert not [n for n in sg.gm.graph.nodes if "local_scalar_dense" in str(n.target) or "nonzero" in str(n.target)]
+
+
 def test_grouped_kernel_reads_a_3d_expert_weight_in_place():
     """On the GPU path ``torch._grouped_mm`` takes every expert's matrix as one (E, out, in)
     tensor: for a 3-D expert weight's experts (unbind, transposed or not) that is a view of the
