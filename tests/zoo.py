@@ -161,7 +161,7 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cfg = tf.AutoConfig.for_model(kind[3:], **llama_like, **moe, head_dim=8, attention_dropout=0.0, pad_token_id=0)
         cls = tf.AutoModelForCausalLM._model_mapping[type(cfg)]
         for k, v in vars(cfg).items():  # every dropout off, as in the families above
-            if k.endswith(("dropout", "pdrop")) and isinstance(v, float):
+            if k.endswith(("dropout", "pdrop", "dropout_prob", "layerdrop")) and isinstance(v, float):
                 setattr(cfg, k, 0.0)
     else:
         raise KeyError(kind)
