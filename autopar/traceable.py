@@ -161,8 +161,21 @@ def _user_line() -> str:
 # --------------------------------------------------------------------------------------------
 # Token-routed mixture-of-experts blocks
 # --------------------------------------------------------------------------------------------
+class _ExpertList:
+    """A block (``self.module``) whose ``experts`` are a list of identical modules."""
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.module.experts)
+
+    @property
+    def linears(self) -> tuple[str, ...] | None:
+        """The experts' linears (every parameter of theirs in one), else None (``_linears``)."""
+        return _linears(self.module.experts[0])
+
+
 @dataclass(frozen=True)
-class RoutedExperts:
+class RoutedExperts(_ExpertList):
     """A mixture-of-experts block recognised by its structure: ``experts`` (a list of ``E``
     identical modules), ``top_k`` (or ``num_experts_per_tok``), one router, optionally shared
     experts. The router is either a linear with ``E`` outputs whose softmax top-k routes (Mixtral,
@@ -179,14 +192,6 @@ class RoutedExperts:
     top_k: int
     normalize: bool
     gate_module: bool = False  # the router is a gate module returning (experts, weights)
-
-    @property
-    def n_experts(self) -> int:
-        return len(self.module.experts)
-
-    @property
-    def linears(self) -> tuple[str, ...] | None:
-        return _linears(self.module.experts[0])
 
 
 _MOE_PARTS = {"experts", "shared_expert", "shared_expert_gate", "shared_experts", "act_fn"}
@@ -610,7 +615,7 @@ def stacked_experts_forward(s: StackedExperts, *args, **kwargs):
 
 # Expert modules looped over by their block's own routing code ---------------------------------
 @dataclass(frozen=True)
-class LoopedExperts:
+class LoopedExperts(_ExpertList):
     """A mixture-of-experts block, not one ``routed_experts`` knows, whose ``experts`` are a list
     of identical modules of linears and whose own forward scores and chooses the experts (its own
     code: Ernie 4.5's bias-corrected top-k, Hunyuan's gate module) and then loops over the experts
@@ -620,14 +625,6 @@ class LoopedExperts:
 
     name: str
     module: nn.Module
-
-    @property
-    def n_experts(self) -> int:
-        return len(self.module.experts)
-
-    @property
-    def linears(self) -> tuple[str, ...] | None:
-        return _linears(self.module.experts[0])
 
 
 def looped_experts(model: nn.Module) -> list[LoopedExperts]:
