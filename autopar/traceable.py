@@ -71,7 +71,7 @@ def with_export_path_fallback(trace: Callable[[], Any], *, target_kernels: bool 
             tc._is_compiling_flag = False
 
     if model is not None and not tc._is_compiling_flag and (routed_experts(model) or stacked_experts(model)
-                                                            or looped_experts(model)):
+                                                            or looped_experts(model) or scored_experts(model)):
         # A routed-experts block's own loop is value-dependent (tokens per expert): a first trace
         # would stop there after tracing what comes before; go straight to the export path.
         return exported()
@@ -683,6 +683,68 @@ def looped_experts_forward(lp: LoopedExperts, *args, **kwargs):
     return out
 
 
+# Experts run on every token scaled by its score (Llama 4) ------------------------------------
+@dataclass(frozen=True)
+class ScoredExperts:
+    """Llama 4's mixture of experts, recognised by its structure: a block of ``router`` (a linear
+    with ``E`` outputs and a ``top_k``, whose own forward returns every expert's score per token,
+    0 where not chosen, and its logits), ``experts`` (3-D ``gate_up_proj`` ``(E, hidden, 2 ffn)``
+    and ``down_proj`` ``(E, ffn, hidden)``, an ``act_fn``) and ``shared_expert``. Its own forward
+    runs every expert on every token scaled by that expert's score (so E / top_k times the active
+    FLOPs) and sums them; ``scored_experts_forward`` runs each token's chosen experts only."""
+
+    name: str
+    module: nn.Module
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.module.experts.num_experts)
+
+
+def scored_experts(model: nn.Module) -> list[ScoredExperts]:
+    out = []
+    for name, m in model.named_modules():
+        router, ex = getattr(m, "router", None), getattr(m, "experts", None)
+        if {c for c, _ in m.named_children()} != {"router", "experts", "shared_expert"} \
+                or not isinstance(router, nn.Linear) or not isinstance(getattr(router, "top_k", None), int):
+            continue
+        E = router.out_features
+        gu, down = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+        if getattr(ex, "num_experts", None) == E and isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) \
+                and gu.dim() == down.dim() == 3 and gu.shape[0] == down.shape[0] == E \
+                and gu.shape[2] == 2 * down.shape[1] and gu.shape[1] == down.shape[2] \
+                and len(list(ex.parameters())) == 2 and callable(getattr(ex, "act_fn", None)):
+            out.append(ScoredExperts(name, m))
+    return out
+
+
+def scored_experts_forward(b: ScoredExperts, hidden: torch.Tensor):
+    """The block's output with fixed shapes: the router's own scores, each token's ``top_k``
+    highest (every expert the router chose; an expert it did not scores 0 and adds 0) in expert
+    order, the token scaled by each score through its expert (one grouped matmul per 3-D weight),
+    each token's rows added in expert order onto zeros as the block's sum over experts adds them,
+    then onto the shared expert's output. Returns ``(output, router logits)`` as the block does."""
+    m = b.module
+    ex = m.experts
+    x = hidden.reshape(-1, hidden.shape[-1])
+    scores, logits = m.router(x)
+    k, n_tok = m.router.top_k, x.shape[0]
+    chosen = scores.topk(k, dim=1).indices.sort(dim=1).values
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(b.n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0)
+    tok, expert = order // k, flat[order]
+    rows = x[tok] * scores[tok, expert].unsqueeze(1)
+    gate, up = grouped_mm(rows, [w.t() for w in ex.gate_up_proj.unbind(0)], offs).chunk(2, dim=-1)
+    ys = grouped_mm(up * ex.act_fn(gate), [w.t() for w in ex.down_proj.unbind(0)], offs)
+    back = ys[order.argsort()].reshape(n_tok, k, -1)  # each token's k rows, in expert order
+    routed = torch.zeros_like(x)
+    for j in range(k):
+        routed = routed + back[:, j]
+    return m.shared_expert(x) + routed, logits
+
+
 @contextlib.contextmanager
 def _forward_as(m: nn.Module, fn: Callable):
     """``m`` runs ``fn`` as its forward inside the block; after it, a forward patched on the
@@ -707,11 +769,14 @@ class _RoutedForm(contextlib.ExitStack):
         self.blocks = routed_experts(model)
         self.stacked = stacked_experts(model)
         self.looped = looped_experts(model)
+        self.scored = scored_experts(model)
 
     def __enter__(self):
         super().__enter__()
         for r in self.blocks:
             self.enter_context(_forward_as(r.module, lambda hidden, r=r: routed_experts_forward(r, hidden)))
+        for b in self.scored:
+            self.enter_context(_forward_as(b.module, lambda hidden, b=b: scored_experts_forward(b, hidden)))
         for lp in self.looped:
             self.enter_context(_forward_as(lp.module, lambda *a, lp=lp, **k: looped_experts_forward(lp, *a, **k)))
         # A router's rows per expert as a list (``_Count``s), inside the blocks of such experts (a
@@ -788,6 +853,17 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
                 f"fixed-shape routed-experts form computes ({why}); its routing (e.g. sigmoid scores, grouped or "
                 "biased top-k, capacity limits) is not the softmax top-k autopar knows, so it is not trained "
                 "rather than trained as a different model")
+    for b in scored_experts(model):
+        w = b.module.router.weight
+        if not _real(w):
+            continue
+        x = _tokens_for(w, w.shape[1], tokens)
+        with torch.no_grad():
+            why = _differs(b.module(x), scored_experts_forward(b, x))
+        if why:
+            raise AutoparError(f"the mixture-of-experts block {b.name} ({type(b.module).__name__}) does not compute "
+                               f"what autopar's form of it, each token through its chosen experts only, computes "
+                               f"({why}), so it is not trained rather than trained as a different model")
     for lp in looped_experts(model):
         w = _router_weight(lp.module, lp.n_experts)
         if not _real(w):

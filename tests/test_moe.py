@@ -697,6 +697,36 @@ def test_experts_given_their_rows_per_expert_run_as_one_grouped_matmul():
     assert not [n for n in sg.gm.graph.nodes if "local_scalar_dense" in str(n.target) or "nonzero" in str(n.target)]
 
 
+def test_experts_run_on_every_token_by_their_block_run_on_their_tokens_only():
+    """Llama 4's block runs every expert on every token, scaled by the expert's score (0 where the
+    router did not choose it): traced, each token goes through its chosen experts only, one grouped
+    matmul per 3-D weight over tokens x top_k rows (no batched matmul over experts x tokens), with
+    the block's own output and gradients."""
+    from autopar.grouped_mm import GROUPED_MM
+
+    torch.manual_seed(0)
+    model = zoo.build("hf:llama4_text")
+    blocks = traceable.scored_experts(model)
+    assert len(blocks) == 2 and all(b.n_experts == 4 for b in blocks)
+    traceable.check_routed_experts(model)
+    b = blocks[0]
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    weights = list(b.module.parameters())
+    own = b.module(x)[0]
+    g_own = torch.autograd.grad(own.square().sum(), [x, *weights])
+    mine = traceable.scored_experts_forward(b, x)[0]
+    g_mine = torch.autograd.grad(mine.square().sum(), [x, *weights])
+    torch.testing.assert_close(mine, own.reshape(mine.shape), rtol=1e-6, atol=1e-7)
+    for a, c in zip(g_mine, g_own):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+    sg = _step_graph(model)
+    grouped = list(sg.gm.graph.find_nodes(op="call_function", target=GROUPED_MM))
+    assert len(grouped) == 2 * 2 and all(n.meta["val"].shape[0] == 2 * 16 * 2 for n in grouped)
+    bmm = sg.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.bmm.default)
+    assert all(n.meta["val"].shape[0] != 4 for n in bmm)  # the rotary table's only (batch 1)
+
+
 def test_grouped_kernel_reads_a_3d_expert_weight_in_place():
     """On the GPU path ``torch._grouped_mm`` takes every expert's matrix as one (E, out, in)
     tensor: for a 3-D expert weight's experts (unbind, transposed or not) that is a view of the
