@@ -833,50 +833,34 @@ def _tokens_for(w: torch.Tensor, hidden: int, tokens: int) -> torch.Tensor:
 def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedExperts]:
     """Before a model with routed experts trains in a fixed-shape form, prove on its own weights
     that the form computes what the model's own code computes (random tokens, every output): a
-    block of expert modules against its own forward, experts held as 3-D parameters within their
-    block (its router's choice) against their own loop. A block that routes otherwise is refused
-    rather than trained as a different model."""
+    block of expert modules (routed by autopar's form or looped by its own code) and Llama 4's
+    block against their own forward, experts held as 3-D parameters within their block (its
+    router's choice) against their own loop. A block that routes otherwise is refused rather than
+    trained as a different model."""
     from autopar.errors import AutoparError
 
     refuse_batched_experts(model)
     blocks = routed_experts(model)
-    for r in blocks:
-        w = getattr(r.module, r.router).weight
+    # Each block in a form of autopar's: (name, block, its router's weight, the form, what the
+    # form is, why a block may differ from it).
+    forms = [(r.name, r.module, getattr(r.module, r.router).weight, lambda x, r=r: routed_experts_forward(r, x),
+              "fixed-shape routed-experts form", "; its routing (e.g. sigmoid scores, grouped or biased top-k, "
+              "capacity limits) is not the softmax top-k autopar knows,") for r in blocks]
+    forms += [(b.name, b.module, b.module.router.weight, lambda x, b=b: scored_experts_forward(b, x),
+               "form of it, each token through its chosen experts only,", ",") for b in scored_experts(model)]
+    forms += [(lp.name, lp.module, _router_weight(lp.module, lp.n_experts),
+               lambda x, lp=lp: looped_experts_forward(lp, x), "fixed-shape form of its loop over the experts", ",")
+              for lp in looped_experts(model)]
+    for name, m, w, form, what, because in forms:
         if not _real(w):  # nothing real to run
             continue
         x = _tokens_for(w, w.shape[1], tokens)
         with torch.no_grad():
-            why = _differs(r.module(x), routed_experts_forward(r, x))
+            why = _differs(m(x), form(x))
         if why:
-            raise AutoparError(
-                f"the mixture-of-experts block {r.name} ({type(r.module).__name__}) does not compute what autopar's "
-                f"fixed-shape routed-experts form computes ({why}); its routing (e.g. sigmoid scores, grouped or "
-                "biased top-k, capacity limits) is not the softmax top-k autopar knows, so it is not trained "
-                "rather than trained as a different model")
-    for b in scored_experts(model):
-        w = b.module.router.weight
-        if not _real(w):
-            continue
-        x = _tokens_for(w, w.shape[1], tokens)
-        with torch.no_grad():
-            why = _differs(b.module(x), scored_experts_forward(b, x))
-        if why:
-            raise AutoparError(f"the mixture-of-experts block {b.name} ({type(b.module).__name__}) does not compute "
-                               f"what autopar's form of it, each token through its chosen experts only, computes "
-                               f"({why}), so it is not trained rather than trained as a different model")
-    for lp in looped_experts(model):
-        w = _router_weight(lp.module, lp.n_experts)
-        if not _real(w):
-            continue
-        x = _tokens_for(w, w.shape[1], tokens)
-        with torch.no_grad():
-            own = lp.module(x)
-            with _forward_as(lp.module, lambda *a, lp=lp, **k: looped_experts_forward(lp, *a, **k)):
-                why = _differs(own, lp.module(x))
-        if why:
-            raise AutoparError(f"the mixture-of-experts block {lp.name} ({type(lp.module).__name__}) does not compute "
-                               f"what autopar's fixed-shape form of its loop over the experts computes ({why}), so it "
-                               "is not trained rather than trained as a different model")
+            raise AutoparError(f"the mixture-of-experts block {name} ({type(m).__name__}) does not compute what "
+                               f"autopar's {what} computes ({why}){because} so it is not trained rather than "
+                               "trained as a different model")
     by_block: dict[str, list[StackedExperts]] = {}
     for st in stacked_experts(model):
         by_block.setdefault(st.name.rpartition(".")[0], []).append(st)
