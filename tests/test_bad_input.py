@@ -48,8 +48,10 @@ def files(tmp_path_factory):
         "cfg_no_hidden": put("f/config.json", json.dumps({k: v for k, v in QWEN.items() if k != "hidden_size"})),
         "cfg_no_heads": put("g/config.json", json.dumps({k: v for k, v in QWEN.items() if k != "num_attention_heads"})),
         "cfg_kv3": put("h/config.json", json.dumps({**QWEN, "num_key_value_heads": 3})),
-        "cfg_granite_moe": put("j/config.json", json.dumps({  # its gate reads each expert's token count (.tolist())
-            "model_type": "granitemoe", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+        # its attention experts' gate reads each expert's token count (.tolist()) in a method of
+        # their own, outside any block autopar runs in a form of its own
+        "cfg_jetmoe": put("j/config.json", json.dumps({
+            "model_type": "jetmoe", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
             "vocab_size": 256, "max_position_embeddings": 4096})),
         "cfg_no_kv": put("i/config.json", json.dumps({**{k: v for k, v in QWEN.items() if k != "num_key_value_heads"},
@@ -122,8 +124,8 @@ CLI_CASES = [
     ("config_without_heads", "explain {cfg_no_heads} --gpus 8", r"has no 'num_attention_heads'"),
     ("config_kv_heads_not_dividing", "explain {cfg_kv3} --gpus 8",
      r"4 attention heads are not divisible by 3 KV heads; num_key_value_heads must divide"),
-    ("library_code_not_traceable", "explain {cfg_granite_moe} --gpus 8",
-     r"modeling_granitemoe.py:\d+: .*That line is transformers' own code \(not yours\).*Nothing to change in your model"),
+    ("library_code_not_traceable", "explain {cfg_jetmoe} --gpus 8",
+     r"modeling_jetmoe.py:\d+: .*That line is transformers' own code \(not yours\).*Nothing to change in your model"),
     ("seq_len_above_positions", "explain {cfg_ok} --gpus 8 --seq-len 200000", r"--seq-len 200000 is above .*131072 positions"),
     ("plan_corrupt", "show {plan_corrupt}", r"p1.json: plan is not valid JSON"),
     ("plan_other_version", "show {plan_version}", r"plan format version 999 is not supported"),
