@@ -29,7 +29,8 @@ MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-ge
           "hf-phi3", "hf-opt", "hf-qwen2-moe", "hf-qwen3-moe", "hf-mixtral", "custom-llama", "hf-gptj", "hf-bloom",
           "hf-falcon", "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta", "hf-modernbert", "hf-bart",
           "hf-mt5", "hf-deit", "hf-swin", "diffusers-dit", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-phi",
-          "hf-stablelm", "hf-starcoder2", "hf-cohere", "hf-granite", "hf-gpt-oss", "custom-mixtral-3d"]
+          "hf-stablelm", "hf-starcoder2", "hf-cohere", "hf-granite", "hf-gpt-oss", "custom-mixtral-3d",
+          "hf:llama4_text", "hf:granitemoe"]  # by transformers' model type (tests/zoo.py)
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
