@@ -160,6 +160,8 @@ def _hf(kind: str, **overrides) -> nn.Module:
         moe = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
         cfg = tf.AutoConfig.for_model(kind[3:], **llama_like, **moe, head_dim=8, attention_dropout=0.0, pad_token_id=0)
         cls = tf.AutoModelForCausalLM._model_mapping[type(cfg)]
+        if getattr(cfg, "rotary_dim", None):  # a rotary width of its own (CodeGen): half of each head's
+            cfg.rotary_dim = 64 // 8 // 2
         for k, v in vars(cfg).items():  # every dropout off, as in the families above
             if k.endswith(("dropout", "pdrop", "dropout_prob", "layerdrop")) and isinstance(v, float):
                 setattr(cfg, k, 0.0)
@@ -169,7 +171,8 @@ def _hf(kind: str, **overrides) -> nn.Module:
         setattr(cfg, k, v)
     # GPT-J, BLOOM, T5, Swin and gpt-oss (its attention sinks) have no SDPA path in transformers; their
     # eager attention is what users run.
-    cfg._attn_implementation = "eager" if kind in ("hf-gptj", "hf-bloom", "hf-mt5", "hf-swin", "hf-gpt-oss") else "sdpa"
+    eager = kind in ("hf-gptj", "hf-bloom", "hf-mt5", "hf-swin", "hf-gpt-oss") or not getattr(cls, "_supports_sdpa", True)
+    cfg._attn_implementation = "eager" if eager else "sdpa"
     model = cls(cfg)
     if kind in VISION:
         # The class tokens as training leaves them, not at their zero initialisation: there the
