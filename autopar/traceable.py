@@ -707,6 +707,8 @@ class ScoredExperts:
 
 
 def scored_experts(model: nn.Module) -> list[ScoredExperts]:
+    """The blocks of exactly a ``router``, 3-D ``experts`` and a ``shared_expert`` as
+    ``ScoredExperts`` describes them."""
     out = []
     for name, m in model.named_modules():
         if m._modules.keys() != {"router", "experts", "shared_expert"}:
