@@ -19,6 +19,7 @@ under while it traces it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -269,31 +270,42 @@ def _routing(r: RoutedExperts, hidden: torch.Tensor, x: torch.Tensor):
     return chosen, weights, x.dtype, logits
 
 
+def _by_expert(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``tokens x top_k`` (token, slot) pairs of ``chosen`` (each token's experts), flattened:
+    their order sorted by expert (stable: ties in token order), each pair's expert in that order,
+    and each expert's end offset among them."""
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=chosen.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, flat[order], counts.cumsum(0)
+
+
+def _summed_per_token(ys: torch.Tensor, order: torch.Tensor, n_tok: int, k: int, dtype) -> torch.Tensor:
+    """Rows ``ys`` in expert order (``order``) added onto zeros per token, each token's ``k`` rows
+    in expert order, as a block's loop or sum over its experts adds them."""
+    back = ys[order.argsort()].reshape(n_tok, k, -1)  # each token's k rows, in expert order
+    out = torch.zeros((n_tok, ys.shape[-1]), dtype=dtype, device=ys.device)
+    for j in range(k):
+        out = out + back[:, j]
+    return out
+
+
 def _grouped_experts(r: RoutedExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, acc) -> torch.Tensor:
     """The experts applied to their tokens only: the ``tokens x top_k`` (token, expert) pairs sorted
     by expert, each expert's linears run on its rows as one ``grouped_mm`` (the first expert's own
     forward with its linears swapped for the grouped ones, so activations and gating are the
     expert's own), each row weighted, and each token's rows added in expert order onto zeros, as
     the block's loop over experts adds them."""
-    m, k, n_tok = r.module, r.top_k, x.shape[0]
+    k = r.top_k
     chosen, perm = chosen.sort(dim=1)
     weights = weights.gather(1, perm)
-    flat = chosen.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(r.n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0)
-    expert_of_row = flat[order]
-    rows = x[order // k]
-    ys = _experts_grouped(m.experts, r.linears, rows, offs, expert_of_row)
+    order, expert_of_row, offs = _by_expert(chosen, r.n_experts)
+    ys = _rows_through_experts(r.module.experts, r.linears, x[order // k], offs, expert_of_row)
     ys = ys.to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(1)
-    back = ys[order.argsort()].reshape(n_tok, k, -1)  # each token's k rows, in expert order
-    out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    for j in range(k):
-        out = out + back[:, j]
-    return out
+    return _summed_per_token(ys, order, x.shape[0], k, acc)
 
 
-def _experts_grouped(experts: nn.ModuleList, linears: tuple[str, ...], rows: torch.Tensor, offs: torch.Tensor,
+def _rows_through_experts(experts: nn.ModuleList, linears: tuple[str, ...], rows: torch.Tensor, offs: torch.Tensor,
                      expert_of_row: torch.Tensor) -> torch.Tensor:
     """``rows`` sorted by expert (expert ``e``'s end at ``offs[e]``) through the first expert's own
     forward with each of its linears swapped for one ``grouped_mm`` over every expert's weight
@@ -460,28 +472,25 @@ class _EveryExpertAtOnce(torch.overrides.TorchFunctionMode):
         """The (token, expert) pairs of the chosen experts ``idx`` (tokens, top_k), sorted by expert."""
         self.idx = idx
         k = idx.shape[-1]
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        self.tok, self.pos, self.expert = order // k, order % k, flat[order]
-        counts = torch.zeros(self.s.n_experts, dtype=torch.int64, device=idx.device)
-        self.offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0)
+        order, self.expert, self.offs = _by_expert(idx, self.s.n_experts)
+        self.tok, self.pos = order // k, order % k
 
     def grouped(self, rows: torch.Tensor) -> torch.Tensor:
         """``experts[i]`` of a list of expert modules, for all experts, on the rows sorted by expert."""
-        return _experts_grouped(self.s.module.experts, self.s.linears, rows, self.offs, self.expert)
+        return _rows_through_experts(self.s.module.experts, self.s.linears, rows, self.offs, self.expert)
 
     def _refuse(self, what: str):
         raise TraceError(f"the experts {self.s.name} ({type(self.s.module).__name__}) {what}, which autopar's "
-                         "routed form of experts held as 3-D parameters does not know (it runs the loop over "
-                         "the experts hit once, for all experts: one_hot of the chosen experts, nonzero, "
-                         "torch.where, each expert's weight in a matmul with its rows, index_add_ of the rows)")
+                         "fixed-shape form of a loop over experts does not know (it runs the loop over the "
+                         "experts hit once, for all experts: one_hot of the chosen experts, nonzero, torch.where, "
+                         "each expert's weight in a matmul with its rows or each expert module on its rows, "
+                         "index_add_ of the rows)")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         vals = (*args, *kwargs.values())
-        if func is F.one_hot and args and self.idx is None and isinstance(self.s, LoopedExperts) \
-                and not args[0].is_floating_point() and args[0].dim() == 2:
-            self._sort(args[0])  # a block that routes in its own forward: its chosen experts
+        if func is F.one_hot and args and self.idx is None and not args[0].is_floating_point() and args[0].dim() == 2:
+            self._sort(args[0])  # a block that routes in its own forward (LoopedExperts): its chosen experts
         if func is F.one_hot and args and args[0] is self.idx:
             self.masked = True
             return _ExpertMask()
@@ -521,19 +530,18 @@ def _own_forward(m: nn.Module):
 
 
 class _Count(_Marker):
-    """One expert's row count from a router's ``tolist()`` of its rows per expert while tracing
-    (``_ExpertSizes``): the experts called with a list of them (their rows already sorted by
-    expert) run as one grouped matmul with those counts. The counts' end offsets are made once,
-    so every grouped matmul of the block reads the same ones (one routing under EP)."""
+    """Every entry of a router's ``tolist()`` of its rows per expert while tracing
+    (``_ExpertSizes``: the list holds this one object once per expert): the experts called with
+    it (their rows already sorted by expert) run as one grouped matmul with those counts. Its end
+    offsets are made once, so every grouped matmul of the block reads the same ones (one routing
+    under EP)."""
 
-    def __init__(self, counts: torch.Tensor, ends: dict):
-        self.counts, self._ends = counts, ends
+    def __init__(self, counts: torch.Tensor):
+        self.counts = counts
 
-    @property
+    @functools.cached_property
     def offs(self) -> torch.Tensor:
-        if "offs" not in self._ends:
-            self._ends["offs"] = self.counts.cumsum(0)
-        return self._ends["offs"]
+        return self.counts.cumsum(0)
 
 
 class _ExpertSizes(torch.overrides.TorchFunctionMode):
@@ -562,12 +570,12 @@ class _ExpertSizes(torch.overrides.TorchFunctionMode):
                              f"{getattr(func, '__name__', func)}, which autopar's fixed-shape form does not know (it "
                              "passes such a list to experts that split their rows by it, Granite MoE's loop)")
         if func is torch.Tensor.tolist and self._counts(args[0]):
-            return [_Count(args[0], {})] * args[0].shape[0]
+            return [_Count(args[0])] * args[0].shape[0]
         if func is torch.Tensor.item and id(args[0]) in self.pieces:
             return self.pieces[id(args[0])]
         out = func(*args, **kwargs)
         if func is torch.Tensor.unbind and self._counts(args[0]) and (args[1:] or kwargs.get("dim", 0)) in ((0,), 0):
-            count = _Count(args[0], {})
+            count = _Count(args[0])
             self.pieces.update({id(p): count for p in out})
         return out
 
@@ -585,7 +593,7 @@ def _sized_experts(s: StackedExperts, rows: torch.Tensor, sizes: list) -> torch.
         raise TraceError(f"the experts {s.name} ({type(s.module).__name__}) are called with their rows per expert "
                          "but hold other parameters than one 3-D weight, which autopar's grouped form of them "
                          "does not know")
-    if len({id(c.counts) for c in sizes}) != 1 or len(sizes) != w.shape[0]:
+    if len({id(c) for c in sizes}) != 1 or len(sizes) != w.shape[0]:
         raise TraceError(f"the experts {s.name} ({type(s.module).__name__}) are called with row counts of other "
                          "experts than theirs")
     return grouped_mm(rows, list(w.unbind(0)), sizes[0].offs)
@@ -736,21 +744,13 @@ def scored_experts_forward(b: ScoredExperts, hidden: torch.Tensor):
     ex = m.experts
     x = hidden.reshape(-1, hidden.shape[-1])
     scores, logits = m.router(x)
-    k, n_tok = m.router.top_k, x.shape[0]
-    chosen = scores.topk(k, dim=1).indices.sort(dim=1).values
-    flat = chosen.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(b.n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0)
-    tok, expert = order // k, flat[order]
+    k = m.router.top_k
+    order, expert, offs = _by_expert(scores.topk(k, dim=1).indices.sort(dim=1).values, b.n_experts)
+    tok = order // k
     rows = x[tok] * scores[tok, expert].unsqueeze(1)
     gate, up = grouped_mm(rows, [w.t() for w in ex.gate_up_proj.unbind(0)], offs).chunk(2, dim=-1)
     ys = grouped_mm(up * ex.act_fn(gate), [w.t() for w in ex.down_proj.unbind(0)], offs)
-    back = ys[order.argsort()].reshape(n_tok, k, -1)  # each token's k rows, in expert order
-    routed = torch.zeros_like(x)
-    for j in range(k):
-        routed = routed + back[:, j]
-    return m.shared_expert(x) + routed, logits
+    return m.shared_expert(x) + _summed_per_token(ys, order, x.shape[0], k, x.dtype), logits
 
 
 @contextlib.contextmanager

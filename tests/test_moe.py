@@ -727,6 +727,27 @@ def test_experts_run_on_every_token_by_their_block_run_on_their_tokens_only():
     assert all(n.meta["val"].shape[0] != 4 for n in bmm)  # the rotary table's only (batch 1)
 
 
+class _MapOnlyExperts(nn.Module):
+    """Experts in a 3-D parameter whose block is not called on tokens (JetMoE's attention experts:
+    their block raises in forward and is driven through methods of its own)."""
+
+    def __init__(self, dim=16, n=4):
+        super().__init__()
+        self.router = nn.Linear(dim, n, bias=False)
+        self.experts = nn.Module()
+        self.experts.num_experts = n
+        self.experts.weight = nn.Parameter(torch.randn(n, dim, dim))
+
+    def forward(self, x):
+        raise NotImplementedError("This module doesn't support call and forward.")
+
+
+def test_experts_whose_block_runs_otherwise_than_on_tokens_are_refused_in_words():
+    with pytest.raises(AutoparError, match=r"experts 0.experts \(Module\): their block _MapOnlyExperts cannot be run "
+                                           r"on tokens alone \(NotImplementedError"):
+        traceable.check_routed_experts(nn.Sequential(_MapOnlyExperts()))
+
+
 def test_grouped_kernel_reads_a_3d_expert_weight_in_place():
     """On the GPU path ``torch._grouped_mm`` takes every expert's matrix as one (E, out, in)
     tensor: for a 3-D expert weight's experts (unbind, transposed or not) that is a view of the

@@ -154,8 +154,8 @@ def step_passes() -> list[Pass]:
 
 
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
-    """A pass's new graph as a module. Under ``autopar.compile`` (``lazy_graph_modules``) its
-    Python code is generated only if it is run or read: the passes build and rewrite graphs that
+    """A pass's new graph as a module. Under ``autopar.compile`` (which runs under torch's
+    ``_use_lazy_graph_module``) its Python code is generated only if it is run or read: the passes build and rewrite graphs that
     Inductor compiles from the graph itself, and making each one's code was a tenth of a 32-layer
     compile."""
     from torch.fx._lazy_graph_module import _make_graph_module
