@@ -39,11 +39,19 @@ def _cut(build, layers: int):
         with torch.device("meta"):
             model = type(model)(dataclasses.replace(cfg, n_layers=layers))
     elif cfg is not None and hasattr(cfg, "num_hidden_layers"):
-        d = {**cfg.to_dict(), "num_hidden_layers": layers}
-        kinds = d.get("layer_types")
-        if isinstance(kinds, list) and kinds:  # one entry per layer (gpt-oss, Gemma 2/3): the model's own pattern
-            d["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
-        cfg = type(cfg).from_dict(d)
+        d = cfg.to_dict()
+        n = d["num_hidden_layers"]
+        # A list with one entry per layer (layer_types, Llama 4's no_rope_layers and moe_layers): as the
+        # config derives it for the new depth where it derives it when not given, else its pattern.
+        per_layer = {k: v for k, v in d.items() if isinstance(v, list) and n and len(v) == n}
+        try:
+            derived = type(cfg).from_dict({**d, **dict.fromkeys(per_layer), "num_hidden_layers": layers}).to_dict()
+        except Exception:  # noqa: BLE001 - a config that needs them given
+            derived = {}
+        for k, v in per_layer.items():
+            got = derived.get(k)
+            d[k] = got if isinstance(got, list) and len(got) == layers else [v[i % n] for i in range(layers)]
+        cfg = type(cfg).from_dict({**d, "num_hidden_layers": layers})
         with torch.device("meta"):
             model = type(model)(cfg)
     return model.to_empty(device="cpu")
