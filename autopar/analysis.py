@@ -124,12 +124,12 @@ class BlockProfile:
     # states, or a compressed latent), () where not recorded (then one hidden-wide input per gather).
     gather_features: tuple = ()
 
-    @property
+    @functools.cached_property
     def gathers(self) -> int:
         """Input gathers per layer under TP: one per group with a common module, else per column."""
         return sum(1 if g[0] is not None else len(g[1]) for g in self.tp_groups)
 
-    @property
+    @functools.cached_property
     def rows(self) -> float:
         """Partial sums reduced per layer under TP, in tokens x hidden messages: one per reduce
         point of the groups' row linears (rows whose sums meet before the residual, as a shared
@@ -139,30 +139,30 @@ class BlockProfile:
                 if l.role == "row" and l.weight.rsplit(".", 1)[0] in grouped}
         return sum(ends.values())
 
-    @property
+    @functools.cached_property
     def experts(self) -> tuple[int, float] | None:
         """Routed experts: (experts, rows per token: top_k) of the block's grouped linears, or None."""
         lin = next((l for l in self.linears if l.group), None)
         return (len(lin.group), lin.in_rows) if lin is not None else None
 
-    @property
+    @functools.cached_property
     def experts_biased(self) -> bool:
         """Whether the routed experts' linears have biases (under EP each row's expert index travels with it):
         ``bias`` beside each expert's ``weight``, or a 3-D weight's ``<name>_bias`` (gpt-oss)."""
         return any(b in self.param_shapes for l in self.linears for w in l.group
                    for b in (w.removesuffix("weight") + "bias", w + "_bias"))
 
-    @property
+    @functools.cached_property
     def experts_stacked(self) -> bool:
         """Whether the routed experts' weights are 3-D parameters (every expert's in one)."""
         return any(l.stacked for l in self.linears)
 
-    @property
+    @functools.cached_property
     def expert_params(self) -> int:
         """Elements of the routed experts' linear weights (every expert's)."""
         return sum(math.prod(self.param_shapes[w]) for l in self.linears for w in dict.fromkeys(l.group))
 
-    @property
+    @functools.cached_property
     def tp_linears(self) -> int:
         """Linears sharded by TP (column and row)."""
         return sum(l.role in ("column", "row") for l in self.linears)

@@ -40,6 +40,8 @@ profile's reserve.
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import functools
 import math
@@ -195,26 +197,26 @@ class CostContext:
         gb = self.memory_limit_gb if self.memory_limit_gb is not None else self.hw.memory_gb
         return gb * GiB
 
-    @property
+    @functools.cached_property
     def act_bytes(self) -> int:
         """Bytes of an activation, and of a parameter as the step reads (gathers) it."""
         return self.prec.bytes("compute")
 
-    @property
+    @functools.cached_property
     def reduce_bytes(self) -> int:
         """Bytes of a gradient element as data parallelism reduces it."""
         return self.prec.bytes("reduce")
 
-    @property
+    @functools.cached_property
     def prec(self) -> Precision:
         return precision_of(self.precision)
 
-    @property
+    @functools.cached_property
     def float8(self) -> bool:
         """Linears' matmuls in float8: the precision's, or a published run's (``fp8``)."""
         return self.fp8 or self.prec.float8
 
-    @property
+    @functools.cached_property
     def bytes_scale(self) -> float:
         return self.act_bytes / self.model.dtype_bytes
 
@@ -481,8 +483,11 @@ class StageModel:
 
     @staticmethod
     def _average_of(cs: list) -> LayerCoeffs:
+        # The layers share few distinct coefficient objects (one per kind): each weighted by its count.
         n = len(cs)
-        avg = lambda get: sum(get(c) for c in cs) / n  # noqa: E731
+        counts = collections.Counter(map(id, cs))
+        cs = list({id(c): c for c in cs}.values())
+        avg = lambda get: sum(get(c) * counts[id(c)] for c in cs) / n  # noqa: E731
         return LayerCoeffs(
             time={a: avg(lambda c: c.time[a]) for a in AC_MODES},
             act={a: avg(lambda c: c.act[a]) for a in AC_MODES},
