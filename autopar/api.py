@@ -728,8 +728,12 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
 
         pg = ep_mesh(mesh, p).get_group()
         register_group(mesh, f"ep{p.ep}", pg)  # one name on every rank: ep groups' graphs are the same text
-        # Experts sharded over exactly the ep ranks: each rank reads only its own experts' weights.
+        # Experts sharded over the ep ranks (or a multiple): each rank reads only its own experts' weights.
         lay.ep = EPGroup(pg.group_name, p.ep, owners_read=ep_owned(p))
+        if lay.ep.owners_read and p.dp_shard > p.ep:
+            shard_pg = ep_shard_mesh(mesh, p).get_group()
+            register_group(mesh, f"ep{p.ep}_shard", shard_pg)
+            lay.ep.shard_group, lay.ep.shard_size = shard_pg.group_name, p.dp_shard // p.ep
     return lay, rules
 
 
@@ -738,6 +742,13 @@ def ep_mesh(mesh, p: Plan):
     (``dp_replicate x dp_shard`` flattened, innermost first), a 1-D mesh."""
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return dp._unflatten(0, (p.dp // p.ep, p.ep), ("dp_mod_ep", "ep"))["ep"]
+
+
+def ep_shard_mesh(mesh, p: Plan):
+    """The ranks of this rank's ``dp_shard`` group at its place in their ep groups (``dp_shard /
+    ep`` of them, ``ep`` apart; ``p.ep`` divides ``p.dp_shard``): where FSDP spreads an expert's
+    shards beyond its ep group, the ones its owner gathers the rest from. A 1-D mesh."""
+    return mesh["dp_shard"]._unflatten(0, (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep_in_shard"))["dp_shard_mod_ep"]
 
 
 def world_mesh(device: str, p: Plan):
@@ -801,9 +812,10 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     params = [model.get_parameter(n) for n in sg.param_names]
     buffers = [model.get_buffer(n) for n in sg.buffer_names]
     if lay.once:  # each parameter whole (its TP shard), as the runtime gathers it (zero.py);
-        # owned experts in their shards' shapes, holding what the runtime's all-to-all received
+        # owned experts holding what the runtime's collectives received: (shard groups, *shard)
         owned = {i for idx, _ in lay.owned_experts(sg) for i in idx}
-        locals_ = [torch.empty(x.shape if i in owned else lay.tp_local_shape(i), dtype=zero.cast_dtype(x, lay.compute),
+        locals_ = [torch.empty((lay.ep.shard_size, *x.shape) if i in owned else lay.tp_local_shape(i),
+                               dtype=zero.cast_dtype(x, lay.compute),
                                device=x.device) for i, x in enumerate(locals_)]
     example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers + inputs
     grad_index = grad_inputs(sg, example)

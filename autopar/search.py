@@ -265,15 +265,16 @@ def cp_options(ctx: CostContext, ranks: int, pins: dict) -> list[int]:
 
 def ep_options(m, cp: int, dp: int, shard: int, pins: dict) -> list[int]:
     """Expert-parallel degrees to try: the pinned one (if it divides dp); else 1 and, for a model
-    with routed experts, the FSDP shard degree when it divides every block's experts: each rank
-    then reads only its own experts' weights (``ep_owned``), what makes EP pay. autopar's executor
-    runs EP with data, tensor and pipeline parallelism, not yet with CP."""
+    with routed experts, each divisor of the FSDP shard degree that divides every block's
+    experts: each rank then reads only its own experts' weights (``ep_owned``), what makes EP
+    pay, their FSDP shards spread over the ``shard / ep`` ranks left. autopar's executor runs EP
+    with data, tensor and pipeline parallelism, not yet with CP."""
     if "ep" in pins:
         return [pins["ep"]] if dp % pins["ep"] == 0 else []
     counts = {b.experts[0] for b in m.blocks if b.experts}
-    if not counts or cp > 1 or shard < 2 or any(e % shard for e in counts):
+    if not counts or cp > 1 or shard < 2:
         return [1]
-    return [1, shard]
+    return [1] + [e for e in range(2, shard + 1) if shard % e == 0 and not any(c % e for c in counts)]
 
 
 def _allowed(pins: dict) -> tuple[bool, bool, bool]:
@@ -467,7 +468,6 @@ def search(
     t_start = time.perf_counter()
     pins = parse_pins(pins) if not isinstance(pins, dict) else dict(pins)
     check_pins(ctx, world, pins)
-    limit = ctx.limit_bytes
     configs = enumerate_configs(ctx, world, pins)
     if not configs:
         if pins:
@@ -481,6 +481,20 @@ def search(
         )
     if "schedule" not in pins:
         configs = [c for c in configs if c.schedule not in DOMINATED]
+    # TP across nodes moves every layer's activations over the network (Megatron-LM and
+    # torchtitan keep TP inside a node): tried only where nothing fits with TP inside one, or pinned.
+    within = configs if "tp" in pins else [c for c in configs if c.tp <= ctx.hw.gpus_per_node]
+    if len(within) < len(configs):
+        try:
+            return _search(ctx, world, within, pins, top_k, progress, distinct, t_start)
+        except InfeasibleError:
+            pass
+    return _search(ctx, world, configs, pins, top_k, progress, distinct, t_start)
+
+
+def _search(ctx: CostContext, world: int, configs: list[Config], pins: dict, top_k: int,
+            progress: Callable[[int, int], None] | None, distinct: str, t_start: float) -> SearchResult:
+    limit = ctx.limit_bytes
     cache: dict = {}
     cands: list[Candidate] = []
     for i, cfg in enumerate(configs):

@@ -39,13 +39,16 @@ class Once:
     them per layer in the graph (``passes/overlap.py``) and the cost model prices them; and, under
     expert parallelism where each ep rank owns its experts' weights, each grouped linear's expert
     weights (names, the dim FSDP splits them along), sent to their owners in one all-to-all over
-    the ep group (``ep_group``) and their gradients back in one."""
+    the ep group (``ep_group``) and their gradients back in one; where FSDP spreads them over a
+    multiple of the ep ranks, the owners' pieces then gathered over ``ep_shard_group`` (and the
+    gradients reduced over it first)."""
 
     compute: torch.dtype | None
     reduce: torch.dtype | None
     buckets: tuple
     experts: tuple = ()
     ep_group: str = ""
+    ep_shard_group: str = ""
 
 
 def plan_once(layout, graphs: list) -> Once | None:
@@ -73,7 +76,7 @@ def plan_once(layout, graphs: list) -> Once | None:
                 out.append([name])
             last = layer
     return Once(layout.compute, layout.reduce, tuple(tuple(b) for b in out), tuple(experts.items()),
-                layout.ep.group_name if experts else "")
+                layout.ep.group_name if experts else "", layout.ep.shard_group if experts else "")
 
 
 def cast_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -158,9 +161,10 @@ class StepWeights:
     def gather(self) -> StepWeights:
         """Every parameter whole over the data-parallel dims (its TP placement kept): a bucket's
         shards in one all-gather, a parameter split otherwise through DTensor; a grouped linear's
-        owned experts: every expert's shard sent to its owner in one all-to-all, each rank's
-        parameters then holding (in their shards' shapes) what it received, which the step graph
-        assembles into its own experts' whole weights (``ep.assembled``)."""
+        owned experts: every expert's shard sent to its owner in one all-to-all (and the pieces
+        gathered over ``ep_shard_group``), each rank's parameters then holding what it received
+        for them, ``(shard groups, *shard)``, which the step graph assembles into its own
+        experts' whole weights (``ep.assembled``)."""
         pending = []
         with torch.no_grad():
             for names, how in self.buckets:
@@ -172,7 +176,10 @@ class StepWeights:
                     pending.append((names, how, p.to(dtype).redistribute(p.device_mesh, whole).to_local()))
                 elif how is EXPERTS:
                     stacked = torch.stack([p._local_tensor.to(dtype) for p in ps])
-                    pending.append((names, how, funcol.all_to_all_single(stacked, None, None, self.once.ep_group)))
+                    t = funcol.all_to_all_single(stacked, None, None, self.once.ep_group)
+                    if self.once.ep_shard_group:
+                        t = funcol.all_gather_single(_waited(t), 0, self.once.ep_shard_group)
+                    pending.append((names, how, t))
                 else:
                     flat = torch.cat([p._local_tensor.to(dtype).reshape(-1) for p in ps])
                     pending.append((names, how, funcol.all_gather_single(flat, 0, ps[0].device_mesh.get_group(how[0]))))
@@ -183,6 +190,8 @@ class StepWeights:
                 if how is None:
                     self.whole[names[0]] = t
                 elif how is EXPERTS:
+                    # (shard groups, E, *shard) -> each expert's pieces, contiguous as the graph takes them
+                    t = t.view(-1, len(names), *t.shape[1:]).movedim(1, 0).contiguous()
                     self.whole.update(zip(names, t.unbind(0)))
                 else:
                     ps = [self.params[n] for n in names]
@@ -238,9 +247,11 @@ class StepWeights:
                     pending.append((names, d.redistribute(mesh, p.placements).to_local()))
                     continue
                 parts: list = []
-                if how is EXPERTS:
-                    t = funcol.all_to_all_single(torch.stack(grads), None, None,
-                                                 self.once.ep_group).reshape(-1)
+                if how is EXPERTS:  # (shard groups, E, *shard): summed over the groups, each its own back
+                    t = torch.stack(grads, 1)
+                    t = (funcol.reduce_scatter_single(t.flatten(0, 1), "sum", 0, self.once.ep_shard_group)
+                         if self.once.ep_shard_group else t[0])
+                    t = funcol.all_to_all_single(_waited(t), None, None, self.once.ep_group).reshape(-1)
                 else:
                     W = mesh.size(how[0])
                     for g, d in zip(grads, map(_shard_dim, ps)):
@@ -269,9 +280,10 @@ class StepWeights:
         self.queued = False
 
     def _held_numel(self, names: list[str], how) -> int:
-        """Elements a bucket holds whole on this rank (owned experts: what the all-to-all received)."""
+        """Elements a bucket holds whole on this rank (owned experts: what their collectives received)."""
         ps = [self.params[n] for n in names]
-        return sum(p._local_tensor.numel() if how is EXPERTS else math.prod(_tp_local(p)) for p in ps)
+        k = _resolve_process_group(self.once.ep_shard_group).size() if how is EXPERTS and self.once.ep_shard_group else 1
+        return sum(p._local_tensor.numel() * k if how is EXPERTS else math.prod(_tp_local(p)) for p in ps)
 
     def held(self) -> dict:
         """Bytes a step holds outside its graphs: the gathered parameters and their whole
@@ -297,16 +309,21 @@ class StepWeights:
             common = {"source": names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}", "module": ""}
 
             def rec(graph: str, kind: str, d, nbytes: int, dtype: torch.dtype, what: str) -> dict:
-                """``d``: the mesh dim of the collective's group; None: the ep group."""
-                group = {"group": self.once.ep_group, "dim": "ep", "group_size": _resolve_process_group(
-                    self.once.ep_group).size()} if d is None else {
+                """``d``: the mesh dim of the collective's group, or (a group's name, what it is)."""
+                group = {"group": d[0], "dim": d[1], "group_size": _resolve_process_group(d[0]).size()} if isinstance(
+                    d, tuple) else {
                     "group": mesh.get_group(d).group_name, "group_size": mesh.size(d), "dim": mesh.mesh_dim_names[d]}
                 return {"graph": graph, "kind": kind, **group, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch."),
                         "pass": what, **common}
 
             if how is EXPERTS:
-                out += [rec("before the step", "all_to_all_single", None, local * gathered.itemsize, gathered, "ep"),
-                        rec("after the step", "all_to_all_single", None, local * reduced.itemsize, reduced, "ep")]
+                ep = (self.once.ep_group, "ep")
+                out += [rec("before the step", "all_to_all_single", ep, local * gathered.itemsize, gathered, "ep"),
+                        rec("after the step", "all_to_all_single", ep, local * reduced.itemsize, reduced, "ep")]
+                if self.once.ep_shard_group:
+                    mod = (self.once.ep_shard_group, "dp_shard / ep")
+                    out += [rec("before the step", "all_gather_into_tensor", mod, whole * gathered.itemsize, gathered, "ep"),
+                            rec("after the step", "reduce_scatter_tensor", mod, whole * reduced.itemsize, reduced, "ep")]
             else:
                 shard = [how[0]] if how else [i for i in _dp_dims(p) if not isinstance(p.placements[i], Replicate)]
                 for d in shard:

@@ -78,7 +78,10 @@ def run_case(world: int, case: dict) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     out = {"name": case["name"], "plan": pm.plan.as_config_string(), "losses": [], "ref_losses": [],
            "is_module": isinstance(pm, torch.nn.Module), "full_state_dict_exact": full_ok,
-           "compile_s": pm.info.compile_s, "timings": dict(pm.info.timings), "compiled_here": dict(pm.info.compiled_here)}
+           "compile_s": pm.info.compile_s, "timings": dict(pm.info.timings), "compiled_here": dict(pm.info.compiled_here),
+           # what moved: (kind, group size, pass, whether of experts' weights) of each collective
+           "collectives": sorted({(r["kind"], r["group_size"], r["pass"], ".experts." in r["source"])
+                                  for recs in pm.info.collectives.values() for r in recs})}
     if case.get("user_loop") and pm.plan.pp == 1:
         # The module path, on the initial weights: each data-parallel rank runs its slice of the
         # batch through pm(x) and the loss in its own loop.

@@ -320,14 +320,16 @@ def test_latent_attention_gathers_its_latent_as_priced():
     assert d["got"][f"backward:reduce_scatter_tensor:{latent // 2}"] == layers == d["plan"][f"reduce_scatter:{latent}"]
 
 
-@pytest.mark.parametrize("reshard,tp", [(0, 1), (1, 1), (1, 2)])
-def test_ep_collectives_are_the_priced_ones(reshard, tp):
-    """Under expert parallelism (ep 4 over FSDP 4; ep 2 over FSDP 2 x TP 2) a routed experts'
-    block moves what the plan prices, per layer: the experts' row counts, each token's top_k rows
-    to their experts' ranks and the outputs back (sized by the routing: recorded without bytes;
-    every TP rank moves its tokens' rows), their gradients back in the backward; each rank
-    receives only its own experts' weights (their TP shards: one all-to-all per grouped linear of
-    1/ep of those bytes, again in the backward after reshard, and their gradients back), and FSDP
+@pytest.mark.parametrize("reshard,tp,ep", [(0, 1, 4), (1, 1, 4), (1, 2, 2), (1, 1, 2)])
+def test_ep_collectives_are_the_priced_ones(reshard, tp, ep):
+    """Under expert parallelism (ep 4 over FSDP 4; ep 2 over FSDP 2 x TP 2; ep 2 over FSDP 4) a
+    routed experts' block moves what the plan prices, per layer: the experts' row counts, each
+    token's top_k rows to their experts' ranks and the outputs back (sized by the routing:
+    recorded without bytes; every TP rank moves its tokens' rows), their gradients back in the
+    backward; each rank receives only its own experts' weights (their TP shards: one all-to-all
+    per grouped linear of 1/ep of those bytes, again in the backward after reshard, and their
+    gradients back; over FSDP 4 with ep 2, half of them from its ep group and the rest gathered
+    over the 2 ranks at its place in the other, their gradients reduced over those), and FSDP
     gathers and reduces only the other parameters."""
     import json
     import os
@@ -335,28 +337,36 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp):
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    pins = f"ep={4 // tp},dp={4 // tp},tp={tp},sp=0,fsdp=1,mb=2,ac=none,reshard={reshard},once=microbatch"
+    pins = f"ep={ep},dp={4 // tp},tp={tp},sp=0,fsdp=1,mb=2,ac=none,reshard={reshard},once=microbatch"
     r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     got, plan, L = d["got"], d["plan"], d["layers"]
 
-    def executed(kind, nbytes=None, graph=None):
+    def executed(kind, nbytes=None, graph=None, by=None):
         return sum(v for k, v in got.items() if k.split(":")[1] == kind and (graph is None or k.split(":")[0] == graph)
-                   and (nbytes is None or k.split(":")[3] == str(nbytes)))
+                   and (nbytes is None or k.split(":")[3] == str(nbytes)) and (by is None or k.split(":")[2] == by))
 
     def priced(kind, group):
         return {int(k.split(":")[2]): v for k, v in plan.items() if k.split(":")[:2] == [group, kind]}
 
-    ep = priced("all_to_all", "ep")
+    a2a = priced("all_to_all", "ep")
     counts, rows = 8 * d["experts"], 4 * 2 * 16 * d["top_k"] * d["hidden"]  # int64 counts; fp32 rows of 2 x 16 tokens
-    weights = {b: n for b, n in ep.items() if b not in (counts, rows)}
-    assert ep[counts] == executed("all_to_all_single", counts) == L
-    assert ep[rows] == executed("all_to_all_single", "None") == 4 * L  # dispatch + combine, forward and backward
+    weights = {b: n for b, n in a2a.items() if b not in (counts, rows)}
+    assert a2a[counts] == executed("all_to_all_single", counts) == L
+    assert a2a[rows] == executed("all_to_all_single", "None") == 4 * L  # dispatch + combine, forward and backward
     assert executed("all_to_all_single", "None", "forward") == 2 * L
     (wbytes, wcount), = weights.items()
     assert executed("all_to_all_single", wbytes) == wcount == 3 * L * (2 + reshard)  # gate, up, down
+    k = 4 // tp // ep  # the ranks beyond the ep group that an expert's FSDP shards are spread over
+    if k > 1:
+        (whole, n), = priced("all_gather", "dp_shard / ep").items()
+        assert whole == k * wbytes and executed("all_gather_into_tensor", whole, by="ep") == n == 3 * L * (1 + reshard)
+        (whole, n), = priced("reduce_scatter", "dp_shard / ep").items()
+        assert executed("reduce_scatter_tensor", whole // k) == n == 3 * L  # recorded by its output
+    else:
+        assert not priced("all_gather", "dp_shard / ep")
     # FSDP: the gathers and reductions of the other parameters only, as priced per layer.
     if tp > 1:  # the TP collectives of the other linears are another test's
         return

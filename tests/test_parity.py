@@ -195,6 +195,11 @@ CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mi
          # microbatches, their gradients sent back once after them (zero.py)
          case("hf-mixtral", "ep4_fsdp4_once", {**EP4_FSDP4, "mb": 1, "once": "gather"}),
          case("hf-qwen3-moe", "ep2_hsdp2x2_ac_full", {"ep": 2, "dp": 4, "dp_shard": 2, "fsdp": 1, "ac": "full"}),
+         # experts FSDP-sharded over twice the ep ranks (torchtitan's dp_shard_mod_ep): each owner
+         # receives its ep group's shards, then gathers the rest from its place in the other ep
+         # group; per layer in the graph, and once per step
+         case("hf-mixtral", "ep2_fsdp4", {"ep": 2, "dp": 4, "fsdp": 1}),
+         case("hf-qwen3-moe", "ep2_fsdp4_once", {"ep": 2, "dp": 4, "fsdp": 1, "mb": 1, "once": "gather"}),
          case("hf-mixtral", "pp2_ep2_ddp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "1f1b", "mb": 1}),
          case("hf-deepseek-v2-4layers", "pp2_ep2_zbv",
               {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "zbv", "v": 2, "mb": 1}),
@@ -284,6 +289,21 @@ def test_ranks_with_the_same_graphs_load_the_passes_one_ran(launch, name):
     that they are the right graphs)."""
     for r in _launch(launch)[name][1:]:
         assert "passes (loaded)" in r["timings"] and "distribute" not in r["timings"], (r["name"], r["timings"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(GROUP["ep"])
+@pytest.mark.parametrize("name", ["hf-mixtral/ep2_fsdp4", "hf-qwen3-moe/ep2_fsdp4_once"])
+def test_experts_sharded_beyond_the_ep_ranks_are_gathered_by_their_owners_only(name):
+    """FSDP over 4 ranks, ep 2: each owner receives its ep group's shards of its experts (an
+    all-to-all over 2 ranks) and gathers the rest over the 2 ranks at its place in the other ep
+    group (in the graph, or once before the step with the gradients reduced over them after it),
+    not every expert over all 4 (the parity of these cases is the test that the pieces land in
+    place)."""
+    moved = {(k, g, p) for k, g, p, _ in _launch("ep")[name][0]["collectives"]}
+    assert ("all_gather_into_tensor", 2, "ep") in moved, moved
+    if name.endswith("once"):
+        assert ("reduce_scatter_tensor", 2, "ep") in moved, moved
 
 
 @pytest.mark.slow

@@ -281,6 +281,10 @@ class StageModel:
         self.g_cp = group_on_mesh([cfg.pp, cfg.dp, cfg.cp, cfg.tp], 2, gpn)
         # ep consecutive data-parallel ranks (passes/ep.py), cp x tp ranks apart.
         self.g_ep = group_on_mesh([cfg.pp, cfg.dp // cfg.ep, cfg.ep, cfg.cp * cfg.tp], 2, gpn)
+        # The ranks of dp_shard with this rank's place in its ep group: an owned expert's FSDP shards
+        # beyond the ep ranks (``ep_owned`` with dp_shard a multiple of ep).
+        self.g_ep_shard = (group_on_mesh([cfg.pp, cfg.dp_replicate, cfg.dp_shard // cfg.ep, cfg.ep, cfg.cp * cfg.tp], 2, gpn)
+                           if cfg.ep > 1 and cfg.dp_shard % cfg.ep == 0 else Group(1, 1))
         self.g_dp = Group(cfg.dp * cfg.cp,
                           self.g_shard.per_node * (self.g_rep.per_node if self.g_shard.nodes == 1 else 1))
         # Per microbatch a rank holds mb sequences' 1/cp share of the tokens (and of the attention:
@@ -355,10 +359,10 @@ class StageModel:
         # their weights' all-to-all in place of the experts' FSDP gathers and reductions.
         ep_fwd = ep_bwd = ep_rows = 0.0
         for kind, nbytes, n_fwd, n_bwd, why in ep_layer_collectives(b, cfg, ctx):
-            t = self._ct(kind, nbytes, self.g_ep)
+            t = self._ct(kind, nbytes, self.g_ep_shard if why == EP_WEIGHTS_SHARDS else self.g_ep)
             ep_fwd += n_fwd * t
             ep_bwd += n_bwd * t
-            ep_rows += n_fwd * t if why != EP_WEIGHTS else 0.0
+            ep_rows += n_fwd * t if why not in (EP_WEIGHTS, EP_WEIGHTS_SHARDS) else 0.0
         p_local = b.params_tp / tp + b.params_rep
         own = b.expert_params / tp if ep_owned(cfg, b) else 0.0
         ag, rs, busy = self._fsdp_collectives(p_local - own, cfg.reshard)
@@ -652,8 +656,14 @@ class StageModel:
                 return 0.0
             return param_bytes / ctx.act_bytes * ctx.reduce_bytes
 
-        # A layer's weight gradients (compute dtype) and their flat reduce buffer.
-        grads = c.working_param + flat(c.working_param)
+        # A layer's weight gradients (compute dtype) and their flat reduce buffer: of the parameters
+        # FSDP reduces, beside owned experts' gradients stacked (compute dtype) for the all-to-all
+        # that sends them back; gathered once per step, of every parameter (each gradient cast
+        # before it is added into the step's buffer).
+        if c.fsdp_param >= 0 and cfg.fsdp_once != "gather":
+            grads = c.working_param + flat(c.fsdp_param) + (c.working_param - c.fsdp_param)
+        else:
+            grads = c.working_param + flat(c.working_param)
         modes = [a for k, a in zip(ac, AC_MODES) if k or bound] or ["none"]
         moments = [max(c.act["none"] - c.act[a], grads - c.act[a]) for a in modes]
         post_inflight = float(self.M) if (cfg.pp > 1 and cfg.schedule == "gpipe") else 1.0
@@ -855,8 +865,9 @@ class StageModel:
         if cfg.ep > 1 and moe is not None:
             share = sum(1 for x in self.layers if x.experts) / len(self.layers)  # the layers with experts
             for kind, nbytes, nf, nb, why in ep_layer_collectives(moe, cfg, ctx):
-                again = 0 if why == EP_WEIGHTS else n_full  # a full recompute routes the rows again
-                out.append({"kind": kind, "group": "ep", "group_size": cfg.ep, "bytes": nbytes,
+                again = 0 if why in (EP_WEIGHTS, EP_WEIGHTS_SHARDS) else n_full  # a full recompute routes the rows again
+                group = ("dp_shard / ep", cfg.dp_shard // cfg.ep) if why == EP_WEIGHTS_SHARDS else ("ep", cfg.ep)
+                out.append({"kind": kind, "group": group[0], "group_size": group[1], "bytes": nbytes,
                             "count": round((nf * (n + again) + nb * n) * share * M), "why": why})
         shard_group = "dp_shard" if cfg.cp == 1 else "dp_shard x cp"
         if cfg.shard > 1:
@@ -962,16 +973,22 @@ def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
 
 
 EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again after reshard, gradients back (bwd)"
+EP_WEIGHTS_SHARDS = ("EP: the owners' shards of their experts' weights gathered over dp_shard / ep (fwd), again after "
+                     "reshard, their gradients reduced (bwd)")
 
 
 def ep_owned(cfg, b: BlockProfile | None = None) -> bool:
-    """Whether each ep rank reads only its own experts' weights: FSDP shards them over exactly the
-    ep ranks (``passes/ep.py``: ``owned_weights``; experts held as 3-D parameters, block ``b``'s,
-    are split along the experts, so each rank's shard is its experts' weights, with no exchange,
-    except gathered once per step, when the runtime gathers them whole); else every expert is
-    gathered as FSDP gathers. ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
-    return (cfg.ep > 1 and cfg.fsdp and cfg.dp_shard == cfg.ep and cfg.cp == 1
-            and not (b is not None and b.experts_stacked and cfg.fsdp_once == "gather"))
+    """Whether each ep rank reads only its own experts' weights: FSDP shards them over the ep
+    ranks or a multiple of them (``passes/ep.py``: ``owned_weights``: the ep ranks' shards of its
+    experts sent to each owner, then, over ``dp_shard / ep`` ranks, the rest gathered, as
+    torchtitan shards experts over ``dp_shard_mod_ep``). Experts held as 3-D parameters (block
+    ``b``'s) are split along the experts: over exactly the ep ranks each rank's shard is its
+    experts' weights, with no exchange (not once per step: the runtime gathers them whole), and
+    beyond them they are gathered whole. Else every expert is gathered as FSDP gathers.
+    ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
+    if not (cfg.ep > 1 and cfg.fsdp and cfg.dp_shard % cfg.ep == 0 and cfg.cp == 1):
+        return False
+    return not (b is not None and b.experts_stacked and (cfg.fsdp_once == "gather" or cfg.dp_shard != cfg.ep))
 
 
 def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
@@ -993,13 +1010,18 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
         out.append(("all_to_all", 8.0 * n_rows, 1, 0, "EP: routed rows' expert indices (biases)"))
     if ep_owned(cfg, b) and not b.experts_stacked:  # one all-to-all per grouped linear (gate, up, down)
         n = sum(1 for l in b.linears if l.group)
-        per = b.expert_params / n / cfg.tp / cfg.ep
-        if cfg.fsdp_once == "gather":  # once per step (zero.py): the weights there, the gradients back
-            M = ctx.global_batch // cfg.dp // cfg.mb
-            out += [("all_to_all", per * ctx.act_bytes, n / M, 0, EP_WEIGHTS),
-                    ("all_to_all", per * ctx.reduce_bytes, 0, n / M, EP_WEIGHTS)]
-        else:
-            out.append(("all_to_all", per * ctx.act_bytes, n, n * (2 if cfg.reshard else 1), EP_WEIGHTS))
+        whole = b.expert_params / n / cfg.tp / cfg.ep  # one linear's experts of one rank, whole
+        k = cfg.dp_shard // cfg.ep  # the ranks its experts' FSDP shards are spread over beyond ep
+        # Read in the forward (again in the backward after a reshard), the gradients sent back;
+        # once per step (zero.py), the weights there and the gradients back once.
+        once = cfg.fsdp_once == "gather"
+        per = 1 / (ctx.global_batch // cfg.dp // cfg.mb) if once else 1
+        again = 1 if cfg.reshard and not once else 0
+        out += [("all_to_all", whole / k * ctx.act_bytes, n * per, n * again, EP_WEIGHTS),
+                ("all_to_all", whole / k * ctx.reduce_bytes, 0, n * per, EP_WEIGHTS)]
+        if k > 1:
+            out += [("all_gather", whole * ctx.act_bytes, n * per, n * again, EP_WEIGHTS_SHARDS),
+                    ("reduce_scatter", whole * ctx.reduce_bytes, 0, n * per, EP_WEIGHTS_SHARDS)]
     return out
 
 

@@ -91,13 +91,15 @@ class Layout:
     def owned_dim(self, indices: list[int]) -> int | None:
         """The dim along which FSDP splits one grouped linear's expert weights (parameters
         ``indices``) where each ep rank reads only its own experts' (``ep.owned_weights``): they
-        are alike, split along one dim evenly over the ep ranks, placed alike by TP; else None."""
+        are alike, split along one dim evenly over ``dp_shard`` (the ep ranks or a multiple of
+        them), placed alike by TP; else None."""
         if self.ep is None or not self.ep.owners_read:
             return None
         shapes = [self.tp_local_shape(i) for i in indices]
         dims = {self.dp[i].dim if isinstance(self.dp[i], Shard) else None for i in indices}
         (dim,) = dims if len(dims) == 1 else (None,)
-        if dim is None or any(shape[dim] % self.ep.size or shape != shapes[0] for shape in shapes) or len(
+        shards = self.ep.size * self.ep.shard_size
+        if dim is None or any(shape[dim] % shards or shape != shapes[0] for shape in shapes) or len(
                 {self.tp.get(i) for i in indices}) != 1:
             return None
         return dim
@@ -725,14 +727,16 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         experts' weights, each as it is or transposed, with no exchange (not once per step: the
         runtime then gathers it whole)."""
         dim = layout.owned_dim([u.index for u in unread])
-        if dim is None or (transposed is not None and (dim != 0 or layout.once)):
+        if dim is None or (transposed is not None and (dim != 0 or layout.once or layout.ep.shard_size > 1)):
             return None
         tp_pl = layout.tp.get(unread[0].index, Replicate())
         xs = []
         use_layer = consumer.meta.get("custom", {}).get("layer")
         with fx_traceback.annotate({"pass": "ep", "why": ep_pass.WEIGHTS, "use_layer": use_layer}):
-            if layout.once:  # what the runtime's all-to-all before the step received (zero.py)
-                return ep_pass.assembled(torch.stack([u.local for u in unread]), layout.ep.size, dim), tp_pl
+            if layout.once:  # what the runtime's collectives before the step received (zero.py)
+                got = torch.stack([u.local for u in unread], 1)  # (shard ranks' groups, E, *shard)
+                n = layout.ep.size * layout.ep.shard_size
+                return ep_pass.assembled(got.reshape(got.shape[0] * got.shape[1], *got.shape[2:]), n, dim), tp_pl
             for u in unread:
                 x = u.local
                 if "dp_replicate" in layout.dp_dims:

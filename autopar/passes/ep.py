@@ -14,7 +14,9 @@ block sharing the rows' end offsets per expert. The distribute pass replays each
 - the **experts** run on the received rows only. Where FSDP shards the experts' weights over
   exactly the ep ranks, each rank receives its own experts' whole weights (``owned_weights``: one
   all-to-all of shards per expert linear; experts held in one 3-D parameter, split along the
-  experts, need none: each rank's shard *is* its experts', ``stacked_weights``) and runs
+  experts, need none: each rank's shard *is* its experts', ``stacked_weights``); where FSDP
+  shards them over a multiple of the ep ranks, the rest of each owned expert's shards are then
+  gathered over the ``dp_shard / ep`` ranks holding them (torchtitan's ``dp_shard_mod_ep``) and runs
   ``grouped_mm`` over them alone; otherwise with
   every expert's (gathered or replicated) weight and end offsets in which the other ranks'
   experts own no rows (their gradients are zeros here; the owner computes them, and the
@@ -55,12 +57,16 @@ COMBINE = "ep: expert outputs back to their tokens' ranks"
 @dataclass
 class EPGroup:
     """The ``ep`` process group of this rank (``size`` ranks, each owning ``E / size`` experts).
-    ``owners_read``: the experts' weights are FSDP-sharded over exactly these ranks, so each
-    rank receives its own experts' shards (``owned_weights``) instead of gathering every expert."""
+    ``owners_read``: the experts' weights are FSDP-sharded over these ranks or a multiple of them,
+    so each rank receives its own experts' shards (``owned_weights``) instead of gathering every
+    expert; ``shard_group``: over a multiple, this rank's group of the ``shard_size`` ranks of
+    ``dp_shard`` at its place in their ep groups, which hold the rest of its experts' shards."""
 
     group_name: str
     size: int
     owners_read: bool = False
+    shard_group: str = ""
+    shard_size: int = 1
 
 
 @dataclass
@@ -182,17 +188,24 @@ def _offsets_of_all(mine: torch.Tensor, g: EPGroup) -> torch.Tensor:
 
 def owned_weights(shards: list[torch.Tensor], g: EPGroup, dim: int) -> list[torch.Tensor]:
     """This rank's ``E / ep`` experts' whole weights from every expert's shard along ``dim`` on
-    each rank of the ep group (FSDP over exactly those ranks): one all-to-all, each rank sending
-    each owner its shards of that owner's experts (``1 / ep`` of the bytes an FSDP gather of every
-    expert moves). Its backward sends each rank its shard of the owners' whole gradients: no
-    reduction, as only the owner computes an expert's gradient."""
+    each rank of ``dp_shard`` (FSDP over the ep ranks or a multiple of them): one all-to-all over
+    the ep group, each rank sending each owner its shards of that owner's experts, then, over a
+    multiple, the ``shard_size`` pieces of them gathered from the ranks at this rank's place in the
+    other ep groups (``1 / ep`` of the bytes an FSDP gather of every expert moves). Backward: the
+    gradients reduced over those ranks (each owner computed its own ep group's share), then each
+    rank sent its shard of them back; only owners compute an expert's gradient."""
     stacked = torch.stack(shards)  # (E, *shard): the experts in owner order
-    return assembled(funcol.all_to_all_single_autograd(stacked, None, None, g.group_name), g.size, dim)
+    got = funcol.all_to_all_single_autograd(stacked, None, None, g.group_name)
+    if g.shard_size > 1:
+        got = funcol.all_gather_single_autograd(got, 0, g.shard_group)
+    return assembled(got, g.size * g.shard_size, dim)
 
 
 def assembled(got: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
-    """This rank's experts' whole weights from what ``owned_weights``' all-to-all (over ``n``
-    ranks) received: ``got[source * E/n + k]``, source's shard along ``dim`` of its k-th expert."""
+    """This rank's experts' whole weights from what ``owned_weights``' collectives received from
+    ``n`` shards' ranks: ``got[source * E/n + k]``, the shard along ``dim`` of its k-th expert that
+    rank ``source`` of ``dp_shard`` holds (over a multiple of the ep ranks, ``source`` is ``place
+    in the other ep groups * ep + place in the ep group``: dp_shard's order)."""
     el, piece = got.shape[0] // n, list(got.shape[1:])
     whole = [*piece[:dim], n * piece[dim], *piece[dim + 1:]]
     return list(got.view(n, el, *piece).movedim(0, 1 + dim).reshape(el, *whole).unbind(0))
