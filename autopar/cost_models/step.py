@@ -41,7 +41,6 @@ profile's reserve.
 from __future__ import annotations
 
 import collections
-
 import dataclasses
 import functools
 import math
