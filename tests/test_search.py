@@ -77,6 +77,25 @@ def test_search_equals_enumeration_with_pins(llama_small):
     assert got.best.step_time_s == pytest.approx(bf.step_time_s, rel=1e-9)
 
 
+def test_tp_across_nodes_only_where_nothing_fits_inside_one(llama_small):
+    """TP stays inside a node (here one GPU a node: tp=1) unless nothing fits there: under a limit
+    that only TP's split weights and activations meet, the search tries every TP degree and finds
+    brute force's optimum."""
+    hw = load_hardware({**SMALL_HW, "gpus_per_node": 1})
+    assert search.search(CostContext(llama_small, hw, 8), 4).best.config.tp == 1
+    need: dict = {}  # the least memory of each TP degree: balanced layers, all fully checkpointed
+    ctx = CostContext(llama_small, hw, 8)
+    for cfg in search.enumerate_configs(ctx, 4, {}):
+        sm = StageModel(ctx, cfg)
+        full = max(sum(sm.rank_memory(r, (0, 0, n)).values()) for r, n in enumerate(sm.balanced_layers()))
+        need[cfg.tp > 1] = min(need.get(cfg.tp > 1, float("inf")), full)
+    assert need[True] < need[False]
+    ctx = CostContext(llama_small, hw, 8, memory_limit_gb=(need[True] + need[False]) / 2 / 2**30)
+    bf, _ = brute_force(ctx, 4)
+    got = search.search(ctx, 4)
+    assert bf.config.tp > 1 and got.best.step_time_s == pytest.approx(bf.step_time_s, rel=1e-9)
+
+
 def test_deterministic(llama8b):
     ctx = CostContext(llama8b, load_hardware("h100"), 256)
     a = search.search(ctx, 64)
