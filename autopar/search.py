@@ -5,7 +5,8 @@ Two levels.
 **Outer (enumerated).** Every mesh ``pp x dp x tp = N`` (``tp`` divides every head count and
 sharded dimension, ``pp <= layers``), sequence parallelism, FSDP (shard degree ``dp_shard | dp``,
 HSDP when smaller, reshard after forward or not), microbatch size ``mb | B/dp``, schedule and
-virtual stages. Pins remove whatever they fix. Each such *configuration* ``c`` has a
+virtual stages, expert parallelism (``ep | dp_shard`` and the experts). TP stays inside a node
+unless pinned or nothing fits there. Pins remove whatever they fix. Each such *configuration* ``c`` has a
 ``StageModel`` whose per-layer coefficients do not depend on how layers are placed.
 
 **Inner (MILP, HiGHS through ``highspy``).** For configuration ``c`` with ``pp`` ranks,
