@@ -90,7 +90,8 @@ def render(p: Plan, *, width: int | None = None, top: int | None = None) -> str:
     if cp > 1:
         extras.append(f"CP {cp} (each sequence over {cp} ranks; FSDP shards over dp_shard x cp)")
     if p.ep > 1:
-        extras.append(f"EP {p.ep} (each routed experts' block's experts over {p.ep} data-parallel ranks)")
+        beyond = f"; their FSDP shards over all {p.dp_shard} ranks of dp_shard" if p.fsdp and p.dp_shard > p.ep else ""
+        extras.append(f"EP {p.ep} (each routed experts' block's experts over {p.ep} data-parallel ranks{beyond})")
     if p.pp > 1:
         extras.append(f"PP {p.pp} ({p.schedule}" + (f", v={p.v}" if p.v > 1 else "") + f", {p.n_microbatches} microbatches of {p.mb})")
     else:
