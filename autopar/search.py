@@ -343,15 +343,16 @@ def _upper_bound(sm: StageModel, pins: dict, limit: float) -> tuple[float, Assig
     return sm.step_time(times), Assignment(tuple(layers), tuple(acs))
 
 
-def solve_milp(sm: StageModel, pins: dict, limit: float) -> Assignment | None:
+def solve_milp(sm: StageModel, pins: dict, limit: float, below: float | None = None) -> Assignment | None:
     """Exact layer counts and AC mix per rank for one configuration (see module docstring), or
-    None when nothing fits."""
+    None when nothing fits (or, given ``below``, nothing whose pipeline time is under it: the
+    solver prunes what cannot beat a time already found)."""
     cfg, L = sm.cfg, sm.ctx.model.n_layers
     pp = cfg.pp
     if pp == 1:
         got = best_mix(L, *sm.rank_affine(0), limit, _allowed(pins))
         return Assignment((L,), (got[1],)) if got else None
-    x = _stage_program(sm, pins, limit, integral=True)[0]
+    x = _stage_program(sm, pins, limit, integral=True, below=below)[0]
     if x is None:
         return None
     x = np.round(x[:3 * pp]).astype(int)
@@ -374,9 +375,10 @@ def solve_lp(sm: StageModel, pins: dict, limit: float) -> tuple[list[float], lis
     return times, list(x[:pp])
 
 
-def _stage_program(sm: StageModel, pins: dict, limit: float, integral: bool):
+def _stage_program(sm: StageModel, pins: dict, limit: float, integral: bool, below: float | None = None):
     """The per-stage program of the module docstring for a pipelined configuration, solved:
-    its solution vector (None if infeasible) and each rank's ``rank_affine``."""
+    its solution vector (None if infeasible, or if ``below`` is given and no solution's
+    pipeline time is under it) and each rank's ``rank_affine``."""
     cfg, L, M = sm.cfg, sm.ctx.model.n_layers, sm.M
     pp = cfg.pp
     allowed = _allowed(pins)
@@ -424,11 +426,13 @@ def _stage_program(sm: StageModel, pins: dict, limit: float, integral: bool):
     lb[iz], ub[iz] = 0.0, np.inf
     integrality = np.full(nv, 1.0 if integral else 0.0)
     integrality[iz] = 0
-    # Time in milliseconds for a well-conditioned objective.
-    return _highs_milp(c * 1e3, np.array(rows), np.array(lo), np.array(hi), lb, ub, integrality), affine
+    # Time in milliseconds for a well-conditioned objective; the objective is the pipeline time
+    # less the ranks' fixed parts (b * sum t0), so ``below`` bounds it less those.
+    bound = None if below is None else (below - b * sum(t0 for t0, _, _, _ in affine)) * 1e3 * (1 + 1e-9)
+    return _highs_milp(c * 1e3, np.array(rows), np.array(lo), np.array(hi), lb, ub, integrality, bound), affine
 
 
-def _highs_milp(c, A, lo, hi, lb, ub, integrality) -> np.ndarray | None:
+def _highs_milp(c, A, lo, hi, lb, ub, integrality, bound: float | None = None) -> np.ndarray | None:
     """``min c.x`` subject to ``lo <= A x <= hi``, ``lb <= x <= ub``, ``x[i]`` integral where
     ``integrality[i]``; the optimum, or None. HiGHS's own binding (``highspy``, 20 ms to import,
     where ``scipy.optimize`` takes 0.3 s), its core object: the public ``Highs`` class prints a
@@ -453,6 +457,8 @@ def _highs_milp(c, A, lo, hi, lb, ub, integrality) -> np.ndarray | None:
     h = _Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", 1e-9)
+    if bound is not None:  # prune what cannot come under it: no solution there reads as none
+        h.setOptionValue("objective_bound", float(bound))
     h.passModel(lp)
     h.run()
     if h.getModelStatus() != HighsModelStatus.kOptimal:
@@ -555,7 +561,7 @@ def _search(ctx: CostContext, world: int, configs: list[Config], pins: dict, top
         if bound >= c.upper * (1 - 1e-9):
             continue  # the rounded assignment is this configuration's optimum
         n_milp += 1
-        a = solve_milp(c.sm, pins, limit)
+        a = solve_milp(c.sm, pins, limit, below=best_time)
         if a is not None:
             est = c.sm.evaluate(a)
             if est.fits(limit * (1 + 1e-9)) and est.step_time_s < c.upper:
