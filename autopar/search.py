@@ -463,7 +463,10 @@ def _highs_milp(c, A, lo, hi, lb, ub, integrality, bound: float | None = None) -
     h.run()
     if h.getModelStatus() != HighsModelStatus.kOptimal:
         return None
-    return np.array(h.getSolution().col_value)
+    # Under an objective bound that prunes every solution HiGHS may still say optimal, its
+    # solution undefined (NaN).
+    x = np.array(h.getSolution().col_value)
+    return x if np.all(np.isfinite(x)) else None
 
 
 def search(
