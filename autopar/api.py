@@ -729,11 +729,11 @@ def _layout(sg, p: Plan, mesh, mixed: RunPrecision, split_head: bool):
         pg = ep_mesh(mesh, p).get_group()
         register_group(mesh, f"ep{p.ep}", pg)  # one name on every rank: ep groups' graphs are the same text
         # Experts sharded over the ep ranks (or a multiple): each rank reads only its own experts' weights.
-        lay.ep = EPGroup(pg.group_name, p.ep, owners_read=ep_owned(p))
-        if lay.ep.owners_read and p.dp_shard > p.ep:
-            shard_pg = ep_shard_mesh(mesh, p).get_group()
+        shard_pg = ep_shard_mesh(mesh, p).get_group() if ep_owned(p) and p.dp_shard > p.ep else None
+        if shard_pg is not None:  # the experts' FSDP shards spread beyond the ep ranks
             register_group(mesh, f"ep{p.ep}_shard", shard_pg)
-            lay.ep.shard_group, lay.ep.shard_size = shard_pg.group_name, p.dp_shard // p.ep
+        lay.ep = EPGroup(pg.group_name, p.ep, owners_read=ep_owned(p), shard_group=shard_pg.group_name if shard_pg else "",
+                         shard_size=p.dp_shard // p.ep if shard_pg else 1)
     return lay, rules
 
 

@@ -428,7 +428,9 @@ def _stage_program(sm: StageModel, pins: dict, limit: float, integral: bool, bel
     integrality[iz] = 0
     # Time in milliseconds for a well-conditioned objective; the objective is the pipeline time
     # less the ranks' fixed parts (b * sum t0), so ``below`` bounds it less those.
-    bound = None if below is None else (below - b * sum(t0 for t0, _, _, _ in affine)) * 1e3 * (1 + 1e-9)
+    bound = None if below is None else (below - b * sum(t0 for t0, _, _, _ in affine)) * 1e3
+    if bound is not None:
+        bound += abs(bound) * 1e-9  # a solution exactly at ``below`` is kept
     return _highs_milp(c * 1e3, np.array(rows), np.array(lo), np.array(hi), lb, ub, integrality, bound), affine
 
 

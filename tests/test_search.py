@@ -96,6 +96,18 @@ def test_tp_across_nodes_only_where_nothing_fits_inside_one(llama_small):
     assert bf.config.tp > 1 and got.best.step_time_s == pytest.approx(bf.step_time_s, rel=1e-9)
 
 
+def test_milp_under_a_bound_that_prunes_every_solution_has_none():
+    """``_highs_milp`` given an objective bound (the best time the search found): min x, x >= 1
+    integral, has its optimum under a bound of 2 and none under 0.5 (HiGHS then says optimal with
+    an undefined solution, which must not read as one)."""
+    import numpy as np
+
+    args = (np.array([1.0]), np.array([[1.0]]), np.array([1.0]), np.array([np.inf]), np.array([0.0]),
+            np.array([10.0]), np.array([1.0]))
+    assert list(search._highs_milp(*args, 2.0)) == [1.0]
+    assert search._highs_milp(*args, 0.5) is None
+
+
 def test_deterministic(llama8b):
     ctx = CostContext(llama8b, load_hardware("h100"), 256)
     a = search.search(ctx, 64)
