@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 from autopar.cut import BlockTrace, ModelTrace
 from autopar.fxops import VIEW_OPS, node_flops, op_name, out_of_place_op, tensor_bytes
+from autopar.grouped_mm import GROUPED_MM
 from autopar.roles import find_roles
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "grouped_mm", "grouped_mm_wgrad"}
@@ -645,7 +646,11 @@ def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _block_joint(bt: BlockTrace) -> tuple[torch.fx.GraphModule, int]:
-    """The block's joint forward and backward, traced on its fake tensors, and its outputs' count."""
+    """The block's joint forward and backward, traced on its fake tensors, and its outputs' count.
+    A grouped matmul of routed experts is traced with its first expert's weight alone: what it
+    saves is its rows and their offsets (its weights are parameters, not activations), whatever
+    the experts' number, and DeepSeek-V3's 768 expert weights would otherwise make the joint 3,500
+    nodes for the partitioner to cut."""
     import torch.fx.traceback as fx_traceback
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -673,9 +678,11 @@ def _block_joint(bt: BlockTrace) -> tuple[torch.fx.GraphModule, int]:
                 env[n] = getattr(gm, n.target)
                 continue
             target = out_of_place_op(n.target)
+            args = torch.fx.node.map_arg(n.args, env.__getitem__)
+            if target is GROUPED_MM:
+                args = (args[0], args[1][:1], *args[2:])
             with fx_traceback.annotate({"source": n.name}):
-                env[n] = target(*torch.fx.node.map_arg(n.args, env.__getitem__),
-                                **torch.fx.node.map_arg(n.kwargs, env.__getitem__))
+                env[n] = target(*args, **torch.fx.node.map_arg(n.kwargs, env.__getitem__))
             if target is not n.target and isinstance(n.args[0], torch.fx.Node):
                 env[n.args[0]] = env[n]  # later readers of the mutated tensor read the new value
         res = list(res) if isinstance(res, (list, tuple)) else [res]
@@ -686,7 +693,10 @@ def _block_joint(bt: BlockTrace) -> tuple[torch.fx.GraphModule, int]:
     with detect_fake_mode(vals):
         tangents = [torch.empty(v.shape, dtype=v.dtype) for v in float_outs]
         with fx_traceback.preserve_node_meta():
-            return make_fx(joint, tracing_mode="real")(vals, tangents), len(outs)
+            j = make_fx(joint, tracing_mode="real")(vals, tangents)
+    j.graph.eliminate_dead_code()  # the unused experts' weights' detach
+    j.recompile()
+    return j, len(outs)
 
 
 def _partition_saved(j: torch.fx.GraphModule, n_outs: int, batch: int, tp_nodes: set[str], hidden_bytes: float,

@@ -78,6 +78,12 @@ def layer_signature(m: nn.Module) -> str:
     return _signature(m, _param_listing(m, {}))
 
 
+def layer_signatures_of(mods: list[nn.Module]) -> list[str]:
+    """``layer_signature`` of each of ``mods``, a submodule they share listed once."""
+    own: dict = {}
+    return [_signature(m, _param_listing(m, own)) for m in mods]
+
+
 def _module_params(model: nn.Module) -> dict[str, list[tuple[str, tuple, int]]]:
     """Each module of ``model`` holding parameters, by name, with its ``_param_listing``, built once
     from the leaves up (each parameter listed once per enclosing module, not walked again for
@@ -86,10 +92,10 @@ def _module_params(model: nn.Module) -> dict[str, list[tuple[str, tuple, int]]]:
     return {name: ps for name, m in model.named_modules() if (ps := _param_listing(m, own))}
 
 
-def layer_signatures(model: nn.Module, params: dict | None = None) -> dict[str, str]:
+def layer_signatures(model: nn.Module, params: dict | None = None, mods: dict | None = None) -> dict[str, str]:
     """``layer_signature`` of every module of ``model`` holding parameters, by name."""
     params = _module_params(model) if params is None else params
-    mods = dict(model.named_modules())
+    mods = dict(model.named_modules()) if mods is None else mods
     return {name: _signature(mods[name], ps) for name, ps in params.items()}
 
 
@@ -144,8 +150,8 @@ def output_logits(model: nn.Module, inputs: tuple) -> torch.Tensor:
     if own is not None:  # floating inputs in the parameters' dtype, as the step casts them
         with mode:
             fakes = tuple(x.to(own) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in fakes)
-    layers = find_layers(model)
-    undo = _pass_on_repeats(model, layers, _repeats(model, layers))
+    layers, repeats = layers_and_repeats(model)
+    undo = _pass_on_repeats(model, layers, repeats)
     try:
         with mode, torch.no_grad():
             return logits_of(model(*fakes))
@@ -243,7 +249,7 @@ def no_init():
             setattr(init, k, v)
 
 
-def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, list[str] | None]:
+def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, tuple[list[str], list[str]] | None]:
     """``build()`` on the meta device: shapes only, nothing allocated and no fake-tensor dispatch
     per parameter (DeepSeek-V3's 45k expert linears). A constructor that reads a value it computed
     (Swin's drop-path rates, ``torch.linspace(..., device="cpu").item()``) works: a factory call
@@ -251,7 +257,7 @@ def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, lis
     those outside the layers after the first of their kind (``_repeats``), are then made fake CPU
     tensors of ``mode`` (so are tensors kept as plain attributes); the repeats' stay meta (their
     shapes are all the planner reads), a parameter they share with the rest becoming the same
-    fake. Returns the model and its layers (``find_layers``)."""
+    fake. Returns the model and its layers and repeats (``layers_and_repeats``)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     with torch.device("meta"), no_init():
@@ -259,8 +265,8 @@ def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, lis
     if not isinstance(model, nn.Module):
         return model, None
     cpu = torch.device("cpu")
-    layers = find_layers(model)
-    skip = tuple(f"{n}." for n in _repeats(model, layers))
+    layers, repeats = layers_and_repeats(model)
+    skip = tuple(f"{n}." for n in repeats)
     made: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -269,24 +275,24 @@ def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, lis
             made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
         return made[id(t)]
 
-    repeats = []
+    passed_over = []  # the repeats' modules
     for name, mod in model.named_modules():
         for k, t in list(vars(mod).items()):  # a tensor kept as a plain attribute (GPT-J's scale)
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 setattr(mod, k, fake(t))
         if skip and f"{name}.".startswith(skip):
-            repeats.append(mod)
+            passed_over.append(mod)
             continue
         for slots in (mod._parameters, mod._buffers):
             for k, t in list(slots.items()):
                 if t is not None:
                     slots[k] = fake(t)
-    for mod in repeats:
+    for mod in passed_over:
         for slots in (mod._parameters, mod._buffers):
             for k, t in list(slots.items()):
                 if t is not None and id(t) in made:
                     slots[k] = made[id(t)]
-    return model, layers
+    return model, (layers, repeats)
 
 
 def trace_model(
@@ -334,7 +340,8 @@ def trace_model(
     target = example_target if example_target is not None else default_target(model, inputs, loss_fn)
     try:
         sg = trace_step(model, inputs, target=target, loss_fn=loss_fn, name=name, first_layers_only=True,
-                        target_kernels=True, param_dtype=dtype if dtype.is_floating_point else None, layers=layers)
+                        target_kernels=True, param_dtype=dtype if dtype.is_floating_point else None,
+                        layers=layers and layers[0], repeats=layers and layers[1])
     finally:
         with torch.no_grad():
             for b, v in kept:
@@ -363,10 +370,18 @@ def find_layers(model: nn.Module) -> list[str]:
     (BART's and T5's encoder layers beside the decoder's, a vision tower beside a text one).
     Found from the modules themselves, whatever holds them (a ModuleList, a ModuleDict, plain
     attributes)."""
+    return layers_and_repeats(model)[0]
+
+
+def layers_and_repeats(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``find_layers(model)`` and, of those, the layers after the first of their kind (class and
+    parameter shapes): what a planning trace passes over. One walk of the modules for both
+    (DeepSeek-V3 has 75k)."""
     mods = dict(model.named_modules())
     params = _module_params(model)
+    sigs = layer_signatures(model, params, mods)
     groups: dict[str, list[str]] = {}
-    for name, sig in layer_signatures(model, params).items():
+    for name, sig in sigs.items():
         if name:
             groups.setdefault(sig, []).append(name)
     kinds = []
@@ -377,13 +392,22 @@ def find_layers(model: nn.Module) -> list[str]:
             size = sum(math.prod(shape) for n in names for _, shape, _ in params[n])
             kinds.append((size, -len(names), _beside(_lift(names, mods), mods, params)))
     if not kinds:
-        return []
+        return [], []
     kinds.sort(key=lambda k: k[:2], reverse=True)
     chosen = set(kinds[0][2])
     for _, _, kind in kinds[1:]:
         if not _overlaps(kind, chosen) and not _overlaps(chosen, kind) and _is_stack(kind, mods, params):
             chosen |= kind
-    return [n for n in mods if n in chosen]
+    layers = [n for n in mods if n in chosen]
+    return layers, _first_of_kind_after(layers, [sigs.get(n) or _signature(mods[n], []) for n in layers])
+
+
+def _first_of_kind_after(layers: list[str], sigs: list[str]) -> list[str]:
+    """The layers whose signature an earlier one has."""
+    seen, out = set(), []
+    for name, sig in zip(layers, sigs):
+        (out.append(name) if sig in seen else seen.add(sig))
+    return out
 
 
 def _overlaps(names, outer: set[str]) -> bool:
@@ -464,14 +488,16 @@ class StepGraph:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
 
-def _module_annotations(model: nn.Module, layers: list[str]):
+def _module_annotations(model: nn.Module, layers: list[str], skip: tuple[str, ...] = ()):
     """Forward hooks that annotate every node traced inside a module with its name, and inside a
-    layer with the layer's index (``torch.fx.traceback.annotate``, copied into ``meta['custom']``)."""
+    layer with the layer's index (``torch.fx.traceback.annotate``, copied into ``meta['custom']``).
+    ``skip``: prefixes of modules that do not run in the trace (the repeats a planning trace passes
+    over, whose own layer keeps its hook: DeepSeek-V3's 75k modules are otherwise hooked twice)."""
     index = {name: i for i, name in enumerate(layers)}
     stack: list = []
     handles = []
     for name, mod in model.named_modules():
-        if not name:
+        if not name or (skip and name.startswith(skip)):
             continue
         ann = {"module": name}
         if name in index:
@@ -523,7 +549,7 @@ def trace_step(
     model: nn.Module, inputs: tuple, *, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
     name: str = "model", first_layers_only: bool = False, target_kernels: bool = False,
     param_dtype: torch.dtype | None = None, output_dtype: torch.dtype | None = None,
-    layers: list[str] | None = None,
+    layers: list[str] | None = None, repeats: list[str] | None = None,
 ) -> StepGraph:
     """Trace ``model``'s forward on ``inputs`` (and the loss against ``target`` when given) to one
     ATen graph, on fake tensors: nothing is computed and no memory of the model's size is used.
@@ -536,9 +562,14 @@ def trace_step(
     ``param_dtype``: the floating-point parameters and inputs enter in this dtype (mixed precision:
     the forward as FSDP2 runs it, on parameters and inputs cast to the compute dtype; buffers keep theirs);
     ``output_dtype``: the model's floating-point outputs are cast to it (FSDP2's ``output_dtype``);
-    ``layers``: ``find_layers(model)`` when the caller has it."""
-    layers = find_layers(model) if layers is None else layers
-    repeats = _repeats(model, layers) if first_layers_only else []
+    ``layers``, ``repeats``: ``layers_and_repeats(model)`` when the caller has them."""
+    if layers is None:
+        layers, found = layers_and_repeats(model)
+        repeats = found if repeats is None else repeats
+    if not first_layers_only:
+        repeats = []
+    elif repeats is None:
+        repeats = _repeats(model, layers)
     unused = tuple(f"{layer}." for layer in repeats)
     pnames, params, aliases = unique_parameters(model, skip=unused)
     named_buffers = [(n, b) for n, b in model.named_buffers() if not (unused and n.startswith(unused))]
@@ -607,7 +638,7 @@ def trace_step(
     def trace():
         packed.clear()
         box.clear()
-        handles = _module_annotations(model, layers)
+        handles = _module_annotations(model, layers, unused)
         if layers:
             handles.append(mods[layers[0]].register_forward_pre_hook(lambda *_: box.__setitem__("entered", True)))
         undo = _pass_on_repeats(model, layers, repeats)
@@ -703,12 +734,8 @@ def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:
 
 
 def _repeats(model: nn.Module, layers: list[str]) -> list[str]:
-    """The layers after the first of their kind (class and parameter shapes)."""
-    mods, seen, out = dict(model.named_modules()), set(), []
-    for name in layers:
-        sig = layer_signature(mods[name])
-        (out.append(name) if sig in seen else seen.add(sig))
-    return out
+    """Of ``layers``, those after the first of their kind (class and parameter shapes)."""
+    return _first_of_kind_after(layers, layer_signatures_of([model.get_submodule(n) for n in layers]))
 
 
 def _pass_on_repeats(model: nn.Module, layers: list[str], repeats: list[str]) -> list[Callable[[], None]]:

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.capture import StepGraph, layer_signature, vocab_size_of
+from autopar.capture import StepGraph, layer_signature, layer_signatures_of, vocab_size_of
 from autopar.errors import TraceError
 from autopar.fxops import (
     VIEW_OPS,
@@ -143,8 +143,8 @@ def for_analysis(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_
                                  "input" if node.op == "placeholder" else op_name(node.target), tuple(v.shape)))
 
     by_sig: dict[str, list[tuple[str, nn.Module]]] = {}
-    for fqn, m in members:
-        by_sig.setdefault(layer_signature(m), []).append((fqn, m))
+    for (fqn, m), sig in zip(members, layer_signatures_of([m for _, m in members])):
+        by_sig.setdefault(sig, []).append((fqn, m))
     index = {fqn: i for i, fqn in enumerate(sg.layers)}
     blocks = [_layer_graph(sg, index[insts[0][0]], insts) for insts in by_sig.values()]
 
@@ -153,7 +153,8 @@ def for_analysis(sg: StepGraph, model: nn.Module, *, name: str, batch: int, seq_
     names, tensors, aliases = unique_parameters(model)
     tied = [(first, other) for first, others in aliases.items() for other in others]
     for pname, p in zip(names, tensors):
-        owner = next((b for b in block_fqns if pname.startswith(b + ".")), None)
+        parts = pname.split(".")
+        owner = next((b for k in range(1, len(parts)) if (b := ".".join(parts[:k])) in block_fqns), None)
         params[pname] = (tuple(p.shape), owner or "outside")
     module_types = {n: type(m).__name__ for n, m in model.named_modules()}
     fp_src = repr(sorted((k, v[0]) for k, v in params.items())) + repr(sorted(set(module_types.values())))
