@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import sympy
 
 from autopar.cut import BlockTrace, ModelTrace
-from autopar.fxops import VIEW_OPS, node_flops, op_name, out_of_place_op, tensor_bytes
+from autopar.fxops import VIEW_OPS, node_flops, op_name, out_of_place, out_of_place_op, tensor_bytes
 from autopar.grouped_mm import GROUPED_MM
 from autopar.roles import find_roles
 
@@ -694,6 +694,10 @@ def _block_joint(bt: BlockTrace) -> tuple[torch.fx.GraphModule, int]:
         tangents = [torch.empty(v.shape, dtype=v.dtype) for v in float_outs]
         with fx_traceback.preserve_node_meta():
             j = make_fx(joint, tracing_mode="real")(vals, tangents)
+    # A backward formula's in-place op on a value it made (clamp's mask, ``logical_and_``: gpt-oss's
+    # experts) as its out-of-place form, as the executor's functional joint has it: the partitioner
+    # keeps every mutation in the forward.
+    out_of_place(j, restrides=False)
     j.graph.eliminate_dead_code()  # the unused experts' weights' detach
     j.recompile()
     return j, len(outs)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from autopar import analysis, capture, models
+from autopar import analysis, api, capture, models
 from autopar.roles import step_roles
 from tests.conftest import profile
 
@@ -374,3 +374,19 @@ def test_an_encoder_decoders_row_reduces_are_priced_over_its_own_tokens():
                                                 example_target=y, loss_fn=zoo.loss_of("hf-mt5")))
     rows = [(b.fqns[0], l.weight, l.reduce_rows) for b in prof.blocks for l in b.linears if l.role == "row"]
     assert len(rows) >= 4 and all(r == 1.0 for _, _, r in rows), rows
+
+
+@pytest.mark.parametrize("kind", ["hf-gpt-oss", "hf-qwen3-moe"])
+def test_expert_blocks_saved_activations_are_the_partitioners(kind):
+    """A mixture-of-experts block's saved activations come from the min-cut partition of its
+    joint (what the executor saves), not the eager estimate: gpt-oss's clamped GLU, whose
+    backward writes a mask in place, included: selective AC saves less than none, full AC the
+    block's input alone."""
+    from tests import zoo
+
+    prof = api.profile_model(zoo.build(kind), seq_len=32).profile
+    for b in prof.blocks:
+        got = b.saved_partitioned
+        assert set(got) == {"none", "selective", "full"}, (kind, got)
+        none, sel = sum(got["none"]), sum(got["selective"])
+        assert none > sel > got["full"][1] > 0, got

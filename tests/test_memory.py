@@ -250,19 +250,19 @@ def test_once_per_step_collectives_are_the_priced_ones(fake_group):
 # the peak at a layer's backward, where its own experts' gradients are stacked for the all-to-all
 # that sends them back) of the prediction; ep 2 over FSDP 4 0.83 (no AC: the peak at the loss, the
 # stacked gradients priced beside the layer's backward anyway) and 1.01 once per step; gpt-oss (experts in 3-D parameters, each rank's shard its own experts', and
-# biased; eager attention with sinks) 0.81 at 64 tokens a sequence, 0.76 at 32: its layers 0.92 of
-# their price, its head and loss (the peak, at hidden 64 a large share) about a quarter (before
-# each rank read its own experts' shard: 0.53). Under EP x TP + SP
+# biased; eager attention with sinks; its clamped GLU's backward writes a mask in place, which the
+# block's analysis reads out of place as the executor does) 1.05 at 64 tokens a sequence, 0.95 at
+# 32 (0.81 and 0.76 while its layers were priced by the eager estimate). Under EP x TP + SP
 # with selective AC the prediction is 26% above (0.74): not asserted here.
 @pytest.mark.parametrize("kind,ep,ac,once,seq,rel", [
     ("hf-mixtral", 4, "none", "microbatch", 32, 0.15), ("hf-mixtral", 4, "full", "microbatch", 32, 0.15),
-    ("hf-mixtral", 4, "none", "gather", 32, 0.15), ("hf-gpt-oss", 4, "none", "microbatch", 64, 0.25),
+    ("hf-mixtral", 4, "none", "gather", 32, 0.15), ("hf-gpt-oss", 4, "none", "microbatch", 64, 0.15),
     ("hf-mixtral", 2, "none", "microbatch", 32, 0.2), ("hf-mixtral", 2, "none", "gather", 32, 0.15)])
 def test_ep_executed_memory_is_what_the_plan_priced(fake_group, kind, ep, ac, once, seq, rel):
     """Mixtral and gpt-oss under ep 4 x FSDP 4 (Mixtral also ep 2 x FSDP 4: each rank's own
     experts gathered whole from the 4 ranks' shards): the executed graphs' step peak (``explain
-    --graph``) against the plan's gathered parameters and activations, within 15% (gpt-oss 25%,
-    Mixtral ep 2 without AC 20%);
+    --graph``) against the plan's gathered parameters and activations, within 15% (Mixtral ep 2
+    without AC 20%);
     also gathered once per step (each rank's own experts' weights and gradients held through the
     step)."""
     from autopar import inspect_graph
