@@ -122,6 +122,80 @@ def _returns_view(op) -> bool:
     return bool(returns) and returns[0].alias_info is not None
 
 
+# What makes a tensor of its own, its values not read before a write fills them.
+_FRESH = {_aten.new_empty.default, _aten.empty.memory_format, _aten.new_zeros.default, _aten.zeros.default,
+          _aten.new_empty_strided.default, _aten.empty_strided.default, _aten.empty_like.default,
+          _aten.zeros_like.default, _aten.new_full.default, _aten.full.default}
+
+
+def _slice_copies(buf: torch.fx.Node, order: dict) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]] | None:
+    """The ``copy_`` calls that fill slices of ``buf``, each with its chain of slices from
+    ``buf``, when that is all that touches ``buf`` before its last one (every other reader after
+    it, no copy's result read); else None."""
+    writes, readers = [], []
+    for u in buf.users:
+        chain, x = [], u
+        while x.target == _aten.slice.Tensor and x.args[0] is (chain[-1] if chain else buf) and len(x.users) == 1:
+            chain.append(x)
+            x = next(iter(x.users))
+        if chain and x.target == _aten.copy_.default and x.args[0] is chain[-1] and not x.users:
+            writes.append((x, chain))
+        elif u.users or op_name(u.target) not in VIEW_OPS:  # a view nothing reads reads nothing
+            readers.append(u)
+    if not writes:
+        return None
+    last = max(order[c] for c, _ in writes)
+    return sorted(writes, key=lambda w: order[w[0]]) if all(order[r] > last for r in readers) else None
+
+
+def _scatter_slice_copies(gm: torch.fx.GraphModule) -> None:
+    """A tensor the graph makes (``new_empty``) and then fills part by part, ``x[..., :a].copy_(p)``
+    and ``x[..., a:].copy_(q)`` (DeepSeek's latent attention in transformers 5 assembles its keys
+    so), as ``slice_scatter`` calls, each reading the one before, the readers after the last
+    reading the last: the data flow the roles and the sharding rules follow, which a write into a
+    view hides."""
+    from torch._guards import detect_fake_mode
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    found = [(buf, w) for buf in gm.graph.nodes if buf.op == "call_function" and buf.target in _FRESH
+             and (w := _slice_copies(buf, order)) is not None]
+    if not found:
+        return
+    g = gm.graph
+
+    def made(target, args, like: torch.fx.Node, **kwargs) -> torch.fx.Node:
+        node = g.call_function(target, args, kwargs)
+        vals = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], args)
+        node.meta["val"] = target(*vals, **kwargs)
+        if "custom" in like.meta:
+            node.meta["custom"] = dict(like.meta["custom"])
+        return node
+
+    with detect_fake_mode([buf.meta["val"] for buf, _ in found]) or contextlib.nullcontext():
+        for buf, writes in found:
+            readers = [u for u in buf.users if u.users and all(u is not chain[0] for _, chain in writes)]
+            cur = buf
+            for copy, chain in writes:
+                with g.inserting_before(copy):
+                    bases = [cur]
+                    for sl in chain[:-1]:
+                        bases.append(made(_aten.slice.Tensor, (bases[-1], *sl.args[1:]), copy))
+                    dst, src = chain[-1].meta["val"], copy.args[1]
+                    if src.meta["val"].dtype != dst.dtype:
+                        src = made(_aten._to_copy.default, (src,), copy, dtype=dst.dtype)
+                    if tuple(src.meta["val"].shape) != tuple(dst.shape):
+                        src = made(_aten.expand.default, (src, list(dst.shape)), copy)
+                    for sl, base in zip(reversed(chain), reversed(bases)):
+                        src = made(_aten.slice_scatter.default, (base, src, *sl.args[1:]), copy)
+                    cur = src
+                g.erase_node(copy)
+                for sl in reversed(chain):
+                    g.erase_node(sl)
+            for r in readers:
+                r.replace_input_with(buf, cur)
+    gm.recompile()
+
+
 def out_of_place(gm: torch.fx.GraphModule, restrides: bool = True) -> None:
     """Rewrite, in ``gm``, each in-place operation whose write only later readers can see as its
     out-of-place form, those readers reading its result (what functionalisation does, without
@@ -129,10 +203,12 @@ def out_of_place(gm: torch.fx.GraphModule, restrides: bool = True) -> None:
     constant) that no other value aliases (no view of it, it no view of another), apart from
     the in-place operations on it and views made after its last write, which only read it (a
     router's ``zeros_like(...).scatter_(...)`` then indexed, experts' ``index_add_`` result
-    reshaped). Each rewritten node, and each such view, gets a value of its own (its storage no
-    longer the written tensor's). Other in-place operations stay."""
+    reshaped); so are copies that fill a tensor the graph made slice by slice
+    (``_scatter_slice_copies``). Each rewritten node, and each such view, gets a value of its own
+    (its storage no longer the written tensor's). Other in-place operations stay."""
     from torch._guards import detect_fake_mode
 
+    _scatter_slice_copies(gm)
     by_storage: dict = {}
     for n in gm.graph.nodes:
         v = n.meta.get("val")

@@ -219,3 +219,36 @@ def test_a_causal_lm_runs_causal_attention_without_a_mask(kind):
     pos = torch.arange(16).repeat(2, 1)
     sg = capture.trace_step(Packed(m), (ids, pos), target=ids)
     assert _attention_calls(sg.gm) == [(False, True)] * len(sg.layers)
+
+
+def test_a_tensor_filled_slice_by_slice_is_traced_as_its_data_flow():
+    """A tensor made empty and filled part by part (``x[..., :a].copy_(p)``, as transformers 5's
+    latent attention assembles its keys) is rewritten as ``slice_scatter`` calls: no write into a
+    view is left, each part's producer feeds the result, and the values are the same. A tensor
+    read before it is filled is left as it is."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.fxops import out_of_place
+
+    def assemble(p, q):
+        out = p.new_empty(*p.shape[:-1], 8)
+        out[..., :6].copy_(p)
+        out[:, :, 6:].copy_(q.expand(-1, 3, -1).to(out.dtype))  # a broadcast source of another dtype
+        return out * 2
+
+    def read_first(p, q):
+        out = p.new_zeros(*p.shape[:-1], 8)
+        s = out.sum()
+        out[..., :6].copy_(p)
+        return out + s
+
+    p, q = torch.randn(2, 3, 6), torch.randn(2, 1, 2, dtype=torch.float64)
+    gm = make_fx(assemble, tracing_mode="fake")(p, q)
+    out_of_place(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.copy_.default not in targets and targets.count(torch.ops.aten.slice_scatter.default) == 2
+    assert torch.equal(gm(p, q), assemble(p, q))
+    gm = make_fx(read_first, tracing_mode="fake")(p, q)
+    out_of_place(gm)
+    assert torch.ops.aten.copy_.default in [n.target for n in gm.graph.nodes]
+    assert torch.equal(gm(p, q), read_first(p, q))

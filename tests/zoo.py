@@ -254,10 +254,12 @@ def _biased_experts(model: nn.Module) -> nn.Module:
 
 
 def _stacked_mixtral() -> nn.Module:
-    """Mixtral with its experts as transformers 5 holds them (the same weights)."""
+    """Mixtral with its experts as transformers 5 holds them (the same weights): made so on 4.x,
+    as built on 5.x."""
     model = _hf("hf-mixtral")
     for layer in model.model.layers:
-        layer.block_sparse_moe = StackedMoeBlock(layer.block_sparse_moe)
+        if hasattr(layer, "block_sparse_moe"):  # transformers 4: experts as modules
+            layer.block_sparse_moe = StackedMoeBlock(layer.block_sparse_moe)
     return model
 
 
