@@ -316,7 +316,7 @@ def trace_model(
     prev = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
-        model, layers = (build_or_model, None) if isinstance(build_or_model, nn.Module) else \
+        model, found = (build_or_model, None) if isinstance(build_or_model, nn.Module) else \
             _built_on_meta(build_or_model, mode)
     except Exception as e:
         raise _trace_error(e, f"the construction of {name}", (
@@ -341,7 +341,7 @@ def trace_model(
     try:
         sg = trace_step(model, inputs, target=target, loss_fn=loss_fn, name=name, first_layers_only=True,
                         target_kernels=True, param_dtype=dtype if dtype.is_floating_point else None,
-                        layers=layers and layers[0], repeats=layers and layers[1])
+                        layers=found and found[0], repeats=found and found[1])
     finally:
         with torch.no_grad():
             for b, v in kept:
