@@ -283,7 +283,7 @@ def run(world: int, cases: list[dict], timeout: float | None = None, _retry: boo
     """Results per rank (a list per case). An error on any rank ends the launch: the other
     ranks, which may wait in a collective for it, are stopped and reported as such. A launch
     in which a process died of a signal (gloo's transport was seen to crash, SIGSEGV or a heap
-    check's SIGABRT, under load on this 2-core machine) is run once more, and says so; any other failure is reported as is.
+    check's SIGABRT, under load on this 2-core machine), or whose rendezvous port another launch took first, is run once more, and says so; any other failure is reported as is.
     ``timeout``: seconds for the whole launch; by default 10 minutes and 4 more per case, which a
     cold Inductor cache on 2 shared cores needs (a fixed 25 minutes was seen to run out there)."""
     import signal
@@ -308,9 +308,13 @@ def run(world: int, cases: list[dict], timeout: float | None = None, _retry: boo
     reported = {r for r in range(world) if any("error" in x for x in out[r])}
     if not reported:
         crashed += [r for r, c in enumerate(codes) if c not in (0, None, -signal.SIGTERM) and r not in crashed]
-    if crashed and _retry:
-        print(f"dist_harness: rank(s) {crashed} crashed (exit codes {[codes[r] for r in crashed]}); "
-              "running the launch once more", file=sys.stderr)
+    # The rendezvous port taken between its choice and the bind (another launch beside this one,
+    # on the other xdist worker): nothing ran, the launch runs once more on another port.
+    busy = any("EADDRINUSE" in x.get("error", "") for xs in out.values() for x in xs)
+    if (crashed or busy) and _retry:
+        why = "the rendezvous port was taken" if busy else \
+            f"rank(s) {crashed} crashed (exit codes {[codes[r] for r in crashed]})"
+        print(f"dist_harness: {why}; running the launch once more", file=sys.stderr)
         return run(world, cases, timeout, _retry=False)
     for r in range(world):
         done = {x["name"] for x in out[r]}
