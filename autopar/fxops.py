@@ -128,10 +128,10 @@ _FRESH = {_aten.new_empty.default, _aten.empty.memory_format, _aten.new_zeros.de
           _aten.zeros_like.default, _aten.new_full.default, _aten.full.default}
 
 
-def _slice_copies(buf: torch.fx.Node, order: dict) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]] | None:
+def _slice_copies(buf: torch.fx.Node, order: dict) -> tuple[list, list[torch.fx.Node]] | None:
     """The ``copy_`` calls that fill slices of ``buf``, each with its chain of slices from
-    ``buf``, when that is all that touches ``buf`` before its last one (every other reader after
-    it, no copy's result read); else None."""
+    ``buf``, and ``buf``'s other readers, when those all come after the last copy (no copy's
+    result read); else None."""
     writes, readers = [], []
     for u in buf.users:
         chain, x = [], u
@@ -145,7 +145,7 @@ def _slice_copies(buf: torch.fx.Node, order: dict) -> list[tuple[torch.fx.Node, 
     if not writes:
         return None
     last = max(order[c] for c, _ in writes)
-    return sorted(writes, key=lambda w: order[w[0]]) if all(order[r] > last for r in readers) else None
+    return (sorted(writes, key=lambda w: order[w[0]]), readers) if all(order[r] > last for r in readers) else None
 
 
 def _scatter_slice_copies(gm: torch.fx.GraphModule) -> None:
@@ -157,7 +157,7 @@ def _scatter_slice_copies(gm: torch.fx.GraphModule) -> None:
     from torch._guards import detect_fake_mode
 
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    found = [(buf, w) for buf in gm.graph.nodes if buf.op == "call_function" and buf.target in _FRESH
+    found = [(buf, *w) for buf in gm.graph.nodes if buf.op == "call_function" and buf.target in _FRESH
              and (w := _slice_copies(buf, order)) is not None]
     if not found:
         return
@@ -171,9 +171,8 @@ def _scatter_slice_copies(gm: torch.fx.GraphModule) -> None:
             node.meta["custom"] = dict(like.meta["custom"])
         return node
 
-    with detect_fake_mode([buf.meta["val"] for buf, _ in found]) or contextlib.nullcontext():
-        for buf, writes in found:
-            readers = [u for u in buf.users if u.users and all(u is not chain[0] for _, chain in writes)]
+    with detect_fake_mode([buf.meta["val"] for buf, _, _ in found]) or contextlib.nullcontext():
+        for buf, writes, readers in found:
             cur = buf
             for copy, chain in writes:
                 with g.inserting_before(copy):

@@ -202,3 +202,19 @@ def test_long_sequences_are_split_over_ranks():
     short = CostContext(profile_model("llama3-8b", seq_len=8192).profile, load_hardware("h100"), 64)
     assert search.cp_options(short, 64, {}) == [1]
     assert search.cp_options(CostContext(long, load_hardware("h100"), 32), 64, {}) == [1, 2, 4, 8, 16, 32]
+
+
+def test_the_collector_is_paused_during_the_search_only():
+    """The search runs with Python's cyclic collector off (its caches' objects are not walked
+    again and again) and turns it back on after, also when the search fails."""
+    import gc
+
+    from autopar import api
+
+    ctx = api.make_context(api.profile_model("llama3-8b").profile, world=64, hardware="h100")
+    seen = []
+    search.search(ctx, 64, progress=lambda i, n: seen.append(gc.isenabled()))
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(AutoparError):
+        search.search(ctx, 64, pins={"tp": 64, "pp": 64})
+    assert gc.isenabled()
