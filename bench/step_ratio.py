@@ -4,9 +4,11 @@ Llama 3 model, measured side by side in one run on CPU processes over gloo. auto
 same unparallelised model (a ``ModuleDict`` of blocks, fused QKV, complex RoPE: nothing of it is
 autopar's). Steps alternate between the two (A B A B ...) after warm-up, so machine noise hits
 both; the ratio is median(autopar) / median(torchtitan), the slowest rank's. The first step's
-loss of both sides is compared (same weights, same data), and so is the time to the end of the
-first step (setup, where autopar traces, plans and compiles, plus the first step, where
-torchtitan's blocks compile). Also: one process, ``autopar.compile`` against torchtitan's
+loss of both sides is compared (same weights, same data). The time to the end of the first step
+(autopar's trace, plan, passes and compile, torchtitan's parallelize and its blocks' compile at
+the first call, then the step) is measured for each side alone, in processes and caches of its
+own: in one process, the side that runs second would find Inductor imported, its CPU probe done
+and kernels built by the first. Also: one process, ``autopar.compile`` against torchtitan's
 ``apply_compile`` (each block compiled on its own); and each configuration's
 memory per rank for one autopar step (``memory.allocator_peaks``: the allocator's peak above
 what the process held before the step, without gloo's staging copies, which NCCL does not
@@ -64,13 +66,8 @@ def _measure(cfgs, steps, compile):
         ids, tgt = _data()
         # torchtitan's side is set up first: the other order makes its per-block compile of TP
         # blocks fail in Inductor (``device_mesh._get_submesh is not an OpOverload``) on torch 2.13
-        setup = {}
-        t0 = time.perf_counter()
         titan = tt.parallelize(copy.deepcopy(base), pins, world, compile)
-        setup["torchtitan"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
         pm = autopar.compile(copy.deepcopy(base), world, example_inputs=(ids,), plan=pins, compile=compile)
-        setup["autopar"] = time.perf_counter() - t0
         fns = {"autopar": lambda: pm.step(ids, target=tgt),
                "torchtitan": lambda: tt.train_step(titan, pm.plan, ids, tgt, pm._dp_rank, default_loss)}
         times, first = {"autopar": [], "torchtitan": []}, {}
@@ -80,27 +77,49 @@ def _measure(cfgs, steps, compile):
                 t0 = time.perf_counter()
                 loss = fns[name]()
                 dist.barrier()
-                if i == 0:  # setup and first step: where each side compiles; same weights on both sides
-                    first[name] = (float(loss), setup[name] + time.perf_counter() - t0)
+                if i == 0:  # same weights and data on both sides
+                    first[name] = float(loss)
                 if i >= 2:
                     times[name].append(time.perf_counter() - t0)
                 if name == "torchtitan":  # its trainer zeroes the gradients every step (untimed)
                     for p in titan.parameters():
                         p.grad = None
         # torchtitan's loss is this rank's share of the batch: the mean over ranks is the global mean
-        titan_loss = torch.tensor(first["torchtitan"][0])
+        titan_loss = torch.tensor(first["torchtitan"])
         dist.all_reduce(titan_loss)
         for p in list(pm.parameters()) + list(titan.parameters()):
             p.grad = None
         mem = allocator_peaks(fns["autopar"])[1]
         r = {"name": cfg["name"], "plan": pm.plan.as_config_string(),
              "autopar_s": statistics.median(times["autopar"]), "torchtitan_s": statistics.median(times["torchtitan"]),
-             "autopar_setup_s": first["autopar"][1], "torchtitan_setup_s": first["torchtitan"][1],
-             "loss_diff": abs(first["autopar"][0] - float(titan_loss) / world),
+             "loss_diff": abs(first["autopar"] - float(titan_loss) / world),
              "measured_step_mib": mem, "predicted_step_mib": _predicted_mib(base, pm.plan, ids)}
         r["ratio"] = r["autopar_s"] / r["torchtitan_s"]
         out.append(r)
     return out
+
+
+def _first_step(side: str, cfg: dict, compile: bool) -> float:
+    """Seconds from the unparallelised model to the end of its first training step on this
+    rank, for one side alone in processes of its own: nothing compiled, imported or probed by the
+    other side before (``launch.run`` made the process group)."""
+    import autopar
+    from autopar.capture import default_loss
+
+    world = dist.get_world_size()
+    pins = cfg["pins"]
+    base = tt.build_llama3(pins.get("tp", 1), bool(pins.get("sp")))
+    ids, tgt = _data()
+    dist.barrier()
+    t0 = time.perf_counter()
+    if side == "autopar":
+        autopar.compile(base, world, example_inputs=(ids,), plan=pins, compile=compile).step(ids, target=tgt)
+    else:
+        plan = types.SimpleNamespace(dp=world // pins.get("tp", 1), tp=pins.get("tp", 1))
+        tt.train_step(tt.parallelize(base, pins, world, compile), plan, ids, tgt, dist.get_rank() // plan.tp,
+                      default_loss)
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 def _predicted_mib(model, plan, ids) -> float:
@@ -152,6 +171,17 @@ def single_process(steps: int) -> dict:
             "autopar_s": a, "torchtitan_s": b, "ratio": a / b}
 
 
+def _fresh_caches() -> None:
+    """One fresh Inductor cache, shared by the ranks launched next: a cached graph from an
+    earlier launch can name process groups that do not exist in this one. A fresh autopar cache
+    too: the time to the first step is a first run's (no step graphs stored by an earlier one,
+    passes/shared.py)."""
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
+    os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-cache-")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
@@ -165,18 +195,16 @@ def main(argv=None) -> int:
         print(why, file=sys.stderr)
         return 2
     torch.set_num_threads(2)
-    # One fresh Inductor cache per run, shared by the ranks: a cached graph from an earlier run can
-    # name process groups that do not exist in this one. A fresh autopar cache too: the time to
-    # the first step is a first run's (no step graphs stored by an earlier one, passes/shared.py).
-    import tempfile
-
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
-    os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-cache-")
+    _fresh_caches()
     cfgs = [c for c in CONFIGS if not args.only or c["name"] in args.only.split(",")]
     rows = [] if args.no_single else [single_process(args.steps)]
     for cfg in cfgs:  # each configuration in its own processes, as each would be its own job
         per = [x[0] for x in launch.run(4, "gloo", _measure, [cfg], args.steps, compile)]
         row = dict(per[0])
+        for side in ("autopar", "torchtitan"):  # each side alone, in fresh processes and caches
+            _fresh_caches()
+            row[f"{side}_first_s"] = max(launch.run(4, "gloo", _first_step, side, cfg, compile))
+        row["first_ratio"] = row["autopar_first_s"] / row["torchtitan_first_s"]
         row["autopar_s"] = max(x["autopar_s"] for x in per)
         row["torchtitan_s"] = max(x["torchtitan_s"] for x in per)
         row["ratio"] = row["autopar_s"] / row["torchtitan_s"]
@@ -184,18 +212,21 @@ def main(argv=None) -> int:
         rows.append(row)
     for r in rows:
         print(f"{r['name']:16s} {r['plan'][:60]:60s} autopar {r['autopar_s']:.3f}s torchtitan {r['torchtitan_s']:.3f}s "
-              f"ratio {r['ratio']:.3f}" + (f"  step memory {r['measured_step_mib']:.0f} MiB (predicted {r['predicted_step_mib']:.0f})"
+              f"ratio {r['ratio']:.3f}" + (f"  first step {r['autopar_first_s']:.1f} s vs {r['torchtitan_first_s']:.1f} s"
+                                          if "first_ratio" in r else "") + (f"  step memory {r['measured_step_mib']:.0f} MiB (predicted {r['predicted_step_mib']:.0f})"
                                           if "measured_step_mib" in r else ""))
     multi = [r for r in rows if r["name"] != "single_process"]
     summary = {"compiled": compile, "steps timed": args.steps, "model": "torchtitan Llama3Model at llama-small shapes",
                "batch": f"{BATCH} x {tt.SEQ}", "torchtitan": "0.3.0 parallelize_llama",
                "max first-step loss difference": f"{max(r['loss_diff'] for r in multi):.2e}",
                "max ratio (4 processes)": f"{max(r['ratio'] for r in multi):.3f} (target <= 1.0)",
+               "max time to the first step, autopar / torchtitan (4 processes)":
+                   f"{max(r['first_ratio'] for r in multi):.3f} (target <= 1.0)",
                **next(({"single-process ratio": f"{r['ratio']:.3f} (target <= 1.05)"} for r in rows
                        if r["name"] == "single_process"), {})}
     partial = bool(args.only) or args.no_single  # a subset never replaces the full table
     write("step_ratio_partial" if partial else "step_ratio", rows, summary,
-          ["name", "plan", "autopar_s", "torchtitan_s", "ratio", "autopar_setup_s", "torchtitan_setup_s", "loss_diff",
+          ["name", "plan", "autopar_s", "torchtitan_s", "ratio", "autopar_first_s", "torchtitan_first_s", "first_ratio", "loss_diff",
            "measured_step_mib", "predicted_step_mib"],
           "autopar.compile vs torchtitan's own parallelize_llama, step time, CPU gloo")
     return 0
