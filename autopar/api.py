@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -751,6 +752,23 @@ def ep_shard_mesh(mesh, p: Plan):
     return mesh["dp_shard"]._unflatten(0, (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep_in_shard"))["dp_shard_mod_ep"]
 
 
+@contextlib.contextmanager
+def own_sharding_caches():
+    """DTensor's sharding propagation caches emptied on entry and on exit. They are keyed by
+    meshes compared by ranks, shape and dimension names, not by process groups: a mesh of the
+    caller's equal to autopar's (torchtitan names its dimensions as autopar does) would otherwise
+    hand one side's cached output placements, and with them its process groups, to the other's
+    trace, which then bakes the other's groups into its graph, on some ranks and not others (a
+    torchtitan TP 2 x FSDP 2 step traced after autopar.compile hung so on 4 processes)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    try:
+        yield
+    finally:
+        _clear_sharding_prop_cache()
+
+
 def world_mesh(device: str, p: Plan):
     """The plan's device mesh (``MESH_DIMS``), with ``dp_shard x cp`` flattened under CP."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -994,7 +1012,7 @@ def compile(
 
     # Graph modules made while compiling generate their Python code only when run or read
     # (passes.graph_module).
-    with guarded("autopar.compile"), _use_lazy_graph_module(True):
+    with guarded("autopar.compile"), _use_lazy_graph_module(True), own_sharding_caches():
         pm = _compile(model, mesh, example_inputs=example_inputs, example_target=example_target, loss_fn=loss_fn,
                       plan=plan, hardware=hardware,
                       global_batch=global_batch, memory_limit_gb=memory_limit_gb, compile=compile,
@@ -1109,10 +1127,11 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
         """The forward graph for the user's own loop, built at the first call with a shape."""
         from autopar.passes.tp import tp_rules
 
-        fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
-        frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp, split_head) if p.tp > 1 else None
-        runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model, inductor=compile,
-                               disabled=disabled, inputs=list(inputs), info=info, key="forward")
+        with own_sharding_caches():
+            fsg = capture.trace_step(model, tuple(inputs), name=prof.source_name, **mixed.trace_kw)
+            frules = tp_rules(fsg, roles.step_roles(fsg), p.tp, p.sp, split_head) if p.tp > 1 else None
+            runner = _build_runner(fsg, p, dmesh, lay, frules, _local_shards(model, fsg), model, inductor=compile,
+                                   disabled=disabled, inputs=list(inputs), info=info, key="forward")
         info.output_type = fsg.output_type
         return runner
 

@@ -172,8 +172,9 @@ def single_process(steps: int) -> dict:
 
 
 def _fresh_caches() -> None:
-    """One fresh Inductor cache, shared by the ranks launched next: a cached graph from an
-    earlier launch can name process groups that do not exist in this one. A fresh autopar cache
+    """One fresh Inductor cache, shared by the ranks launched next: a graph cached by an earlier
+    launch names process groups by their number in that launch, which can be another group in
+    this one (torchtitan's TP blocks compiled under TP 4 then ran under TP 2 x FSDP 2 and hung). A fresh autopar cache
     too: the time to the first step is a first run's (no step graphs stored by an earlier one,
     passes/shared.py)."""
     import tempfile
@@ -199,11 +200,12 @@ def main(argv=None) -> int:
     cfgs = [c for c in CONFIGS if not args.only or c["name"] in args.only.split(",")]
     rows = [] if args.no_single else [single_process(args.steps)]
     for cfg in cfgs:  # each configuration in its own processes, as each would be its own job
-        per = [x[0] for x in launch.run(4, "gloo", _measure, [cfg], args.steps, compile)]
+        _fresh_caches()
+        per = [x[0] for x in launch.run(4, "gloo", _measure, [cfg], args.steps, compile, timeout=1200)]
         row = dict(per[0])
         for side in ("autopar", "torchtitan"):  # each side alone, in fresh processes and caches
             _fresh_caches()
-            row[f"{side}_first_s"] = max(launch.run(4, "gloo", _first_step, side, cfg, compile))
+            row[f"{side}_first_s"] = max(launch.run(4, "gloo", _first_step, side, cfg, compile, timeout=900))
         row["first_ratio"] = row["autopar_first_s"] / row["torchtitan_first_s"]
         row["autopar_s"] = max(x["autopar_s"] for x in per)
         row["torchtitan_s"] = max(x["torchtitan_s"] for x in per)

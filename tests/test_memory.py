@@ -369,3 +369,31 @@ def test_tensor_parallel_step_allocates_what_its_graphs_hold(fake_group):
                          plan={"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1, "ac": "none", "mb": 1})
     measured, walked = _allocated_and_walked(pm, ids)
     assert 0.97 * walked <= measured <= 1.03 * walked, (measured / 2**20, walked / 2**20)
+
+
+def test_a_callers_equal_mesh_keeps_its_own_process_groups(fake_group):
+    """DTensor caches an op's output placements by mesh ranks, shape and dimension names, not by
+    process groups: without autopar emptying those caches around its traces, a caller's mesh
+    equal to another (torchtitan names its dimensions as autopar does) runs its ops on the
+    other's groups (a torchtitan TP 2 x FSDP 2 step hung so beside autopar.compile)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autopar import api
+
+    def product_mesh():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        return mesh, (x @ x).device_mesh
+
+    first, _ = product_mesh()
+    second, used = product_mesh()
+    assert second == first and second.get_group().group_name != first.get_group().group_name
+    assert used is first  # what torch does: the equal mesh's cached placements, and its groups
+    with api.own_sharding_caches():
+        third, used = product_mesh()
+    assert used is third
+    fourth, _ = product_mesh()
+    _build("llama-tiny", FSDP, compile=False)  # what it traced and what it found cached: gone after
+    fifth, used = product_mesh()
+    assert fifth == fourth and used is fifth
