@@ -394,6 +394,6 @@ def test_a_callers_equal_mesh_keeps_its_own_process_groups(fake_group):
         third, used = product_mesh()
     assert used is third
     fourth, _ = product_mesh()
-    _build("llama-tiny", FSDP, compile=False)  # what it traced and what it found cached: gone after
+    _build("llama-tiny", FSDP)  # default options; what it traced and what it found cached: gone after
     fifth, used = product_mesh()
     assert fifth == fourth and used is fifth
