@@ -392,14 +392,16 @@ def estimate_plan(
     if "dp_overlap" in kv and fsdp:
         raise AutoparError("dp_overlap describes the all-reduce of data parallelism without FSDP: drop fsdp=1 "
                            "(FSDP's collectives overlap per layer) or drop dp_overlap")
-    if kv.get("ep_overlap") and kv.get("ep", 1) == 1:
-        raise AutoparError("ep_overlap describes expert parallelism's all-to-alls: add ep=N (or drop ep_overlap)")
+    for k in ("ep_overlap", "ep_nodes", "ep_fp8"):
+        if kv.get(k) and kv.get("ep", 1) == 1:
+            raise AutoparError(f"{k} describes expert parallelism's all-to-alls: add ep=N (or drop {k})")
     cfg = Config(
         tp=tp, pp=pp, dp=dp, dp_shard=kv.get("dp_shard", dp) if fsdp else 1, sp=kv.get("sp", False),
         fsdp=fsdp, reshard=kv.get("reshard", True), mb=kv.get("mb", 1),
         schedule=kv.get("schedule", "1f1b"), v=kv.get("v", 2 if kv.get("schedule") in ("interleaved", *ZERO_BUBBLE) else 1),
         fsdp_once=kv.get("once", ""), fsdp_unit=kv.get("unit", "layer"), dp_overlap=kv.get("dp_overlap", True),
         cp=cp, prefetch=kv.get("prefetch", 1), ep=kv.get("ep", 1), ep_overlap=kv.get("ep_overlap", False),
+        ep_nodes=kv.get("ep_nodes", 0), ep_fp8=kv.get("ep_fp8", False),
     )
     validate_config(ctx, cfg, priced_only=True)
     sm = StageModel(ctx, cfg)
@@ -874,8 +876,10 @@ def _collective_records(compiled, mesh) -> list[dict]:
         for n in collectives(gm):
             r = dict(collective_record(n), graph=g, dim=dim_of(n.args[-1]) or "?")
             if r["pass"] == "?":
+                # An ep group ("ep4") or its shard group ("ep2_shard") is no mesh dim: named by its split.
                 r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp", "cp": "cp",
-                             "dp_shard_cp": "ddp" if r["kind"].startswith("all_reduce") else "fsdp"}.get(r["dim"], "?")
+                             "dp_shard_cp": "ddp" if r["kind"].startswith("all_reduce") else "fsdp"}.get(
+                                 r["dim"], "ep" if r["dim"].startswith("ep") else "?")
                 if r["kind"] == "mirror_swap":
                     r["pass"] = "cp"  # the query/output swap
             recs.append(r)

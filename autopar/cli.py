@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "keys: " + ", ".join(sorted(PIN_KEYS)) + "; once=gather (ZeRO-1, which autopar runs); how another framework "
                     "ran: once=reduce (FSDP under PP, gradients reduced once per step), unit=tensor (one FSDP gather per tensor), dp_overlap=0 (gradient all-reduce "
                     "after the backward), ep_overlap=1 (the expert all-to-alls under another microbatch's compute, DeepSeek's "
-                    "DualPipe), cp=N (context parallelism: each sequence over N ranks)")
+                    "DualPipe), ep_nodes=N (each routed token sent once to each of at most N nodes, DeepSeek's node-limited routing), "
+                    "ep_fp8=1 (the routed tokens dispatched in FP8), cp=N (context parallelism: each sequence over N ranks)")
     es.add_argument("-o", "--output", default=None, help="save the plan JSON here")
 
     sh = sub.add_parser("show", help="explain a saved plan JSON without searching again")

@@ -21,16 +21,20 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1
                   "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 # What a plan can be pinned to (``--pin``, ``estimate --plan``, ``autopar.compile(plan=...)``).
 PIN_KEYS = {"tp", "pp", "dp", "dp_shard", "sp", "fsdp", "reshard", "mb", "schedule", "v", "ac", "once", "unit",
-            "dp_overlap", "cp", "prefetch", "ep", "ep_overlap"}
+            "dp_overlap", "cp", "prefetch", "ep", "ep_overlap", "ep_nodes", "ep_fp8"}
 # How another framework ran its collectives: `autopar estimate` prices them, the search never picks them.
 ESTIMATE_ONLY = {"once": "autopar's executor gathers and reduces FSDP parameters per microbatch, or once per step "
                          "(once=gather, ZeRO-1), not gathered per microbatch and reduced once",
                  "unit": "autopar's executor gathers a layer's FSDP parameters in one collective",
                  "dp_overlap": "autopar's executor overlaps the gradient all-reduce with the backward",
                  "ep_overlap": "autopar's executor runs the expert all-to-alls between the layer's computations, "
-                               "not under another microbatch's (DeepSeek's DualPipe)"}
+                               "not under another microbatch's (DeepSeek's DualPipe)",
+                 "ep_nodes": "autopar's executor sends each routed (token, expert) row to its expert's rank, "
+                             "not each token once per node (DeepSeek's node-limited routing)",
+                 "ep_fp8": "autopar's executor sends the routed rows in the compute dtype, not FP8"}
 # The values of those keys that autopar's executor does run.
-RUNS = {"once": ("", "gather"), "unit": ("layer",), "dp_overlap": (True,), "ep_overlap": (False,)}
+RUNS = {"once": ("", "gather"), "unit": ("layer",), "dp_overlap": (True,), "ep_overlap": (False,),
+        "ep_nodes": (0,), "ep_fp8": (False,)}
 # What the planner (``autopar explain --pin``) can be pinned to: the keys with a value it runs
 # beyond the default.
 PLANNED_KEYS = PIN_KEYS - {k for k, v in RUNS.items() if len(v) == 1}

@@ -295,9 +295,21 @@ def _token_rows(x: torch.fx.Node, linears: dict) -> bool:
 def _read_as_tokens(x: torch.fx.Node, linears: dict) -> bool:
     """``x`` (a view) is read only as linears' input (one linear, or a block's router, shared
     and routed experts; and for its shape): it is gathered where its source is, before the view, once for them all
-    (under SP the source's sequence shards are gathered whole; the view of them stays local)."""
+    (under SP the source's sequence shards are gathered whole; the view of them stays local).
+    A view of it read so counts as such a reader (transformers 5's Mixtral router reshapes the
+    tokens its block already flattened for the experts)."""
     return len(x.users) == 1 or all((u in linears and linears[u].act is x) or _token_rows(u, linears)
-                                    or u.target in ZEROS for u in x.users)  # zeros_like reads the shape only
+                                    or u.target in ZEROS  # zeros_like reads the shape only
+                                    or (u.target in FEATURE_VIEWS and _read_as_tokens(u, linears)) for u in x.users)
+
+
+def _narrows(x: torch.fx.Node) -> bool:
+    """``x`` casts to a dtype of fewer bytes (mixed precision's cast of the tokens to the compute
+    dtype): the tokens are gathered after it, at its size, not before it at the wider one."""
+    src = x.args[0].meta.get("val") if isinstance(x.args[0], torch.fx.Node) else None
+    out = x.meta.get("val")
+    return (x.target == _aten._to_copy.default and src is not None and out is not None
+            and out.dtype.itemsize < src.dtype.itemsize)
 
 
 def step_roles(sg) -> Roles:
@@ -485,7 +497,8 @@ def find_roles(gm: torch.fx.GraphModule, pidx: dict, sources: list, ids: list = 
         if lin.role not in ("column", "head"):
             continue
         chain, x = [lin.node], lin.act
-        while x.op == "call_function" and ((x.target in FEATURE_VIEWS and _read_as_tokens(x, linears))
+        while x.op == "call_function" and ((x.target in FEATURE_VIEWS and _read_as_tokens(x, linears)
+                                            and not _narrows(x))
                                            or (lin.grouped and _token_rows(x, linears))):
             chain.append(x)
             x = x.args[0]

@@ -137,8 +137,8 @@ def parse_pins(text: str | dict | None) -> dict:
                 iv = int(v)
             except ValueError:
                 raise AutoparError(f"pin {k}={v!r} must be an integer") from None
-            flag = k in ("sp", "fsdp", "reshard", "dp_overlap", "ep_overlap")
-            if iv < (0 if flag or k == "prefetch" else 1) or (flag and iv > 1):
+            flag = k in ("sp", "fsdp", "reshard", "dp_overlap", "ep_overlap", "ep_fp8")
+            if iv < (0 if flag or k in ("prefetch", "ep_nodes") else 1) or (flag and iv > 1):
                 raise AutoparError(f"pin {k}={iv} is out of range" + (" (0 or 1)" if flag else ""))
             out[k] = bool(iv) if flag else iv
     return out

@@ -235,6 +235,11 @@ def _gate_routing(r: RoutedExperts, hidden: torch.Tensor) -> tuple[torch.Tensor,
     parts = [t for t in (got if isinstance(got, (tuple, list)) else (got,)) if isinstance(t, torch.Tensor)]
     idx = [t for t in parts if not t.is_floating_point() and t.shape[-1] == r.top_k]
     wts = [t for t in parts if t.is_floating_point() and t.shape[-1] == r.top_k]
+    if len(idx) == 1 and len(wts) > 1:
+        # top_k = the experts' number: a router's logits have the weights' shape too (transformers
+        # 5's return (logits, weights, chosen)); the weights are the float next to the chosen.
+        at = next(i for i, t in enumerate(parts) if t is idx[0])
+        wts = [t for t in wts if any(t is parts[j] for j in (at - 1, at + 1) if 0 <= j < len(parts))]
     if len(idx) != 1 or len(wts) != 1 or idx[0].shape != wts[0].shape:
         raise TraceError(f"the mixture-of-experts block {r.name}: its gate {r.router} "
                          f"({type(getattr(r.module, r.router)).__name__}) does not return one tensor of chosen experts "
@@ -251,14 +256,21 @@ def _linears(expert: nn.Module) -> tuple[str, ...] | None:
     return names if names and all(id(p) in owned for p in expert.parameters()) else None
 
 
+def refuse_jitter(block: nn.Module, name: str) -> None:
+    """A mixture-of-experts block that multiplies its input by random noise while training
+    (Mixtral's ``router_jitter_noise``, in either way transformers holds the experts) is refused:
+    every rank would draw its own noise where the one-device model draws one."""
+    if block.training and float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
+        raise TraceError(f"the mixture-of-experts block {name} multiplies its input by random jitter noise "
+                         f"(router_jitter_noise={block.jitter_noise}) while training, which one static graph "
+                         "cannot reproduce; set router_jitter_noise=0 in the config")
+
+
 def _routing(r: RoutedExperts, hidden: torch.Tensor, x: torch.Tensor):
     """Each token's chosen experts and routing weights ``(tokens, top_k)``, the dtype the block
     accumulates its experts' outputs in, and the router's logits (None for a gate module)."""
     m = r.module
-    if m.training and float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0:
-        raise TraceError(f"the mixture-of-experts block {r.name} multiplies its input by random jitter noise "
-                         f"(router_jitter_noise={m.jitter_noise}) while training, which one static graph cannot "
-                         "reproduce; set router_jitter_noise=0 in the config")
+    refuse_jitter(m, r.name)
     if r.gate_module:
         chosen, weights = _gate_routing(r, hidden)
         return chosen, weights, weights.dtype, None
@@ -789,8 +801,11 @@ class _RoutedForm(contextlib.ExitStack):
             self.enter_context(_forward_as(lp.module, lambda *a, lp=lp, **k: looped_experts_forward(lp, *a, **k)))
         # A router's rows per expert as a list (``_Count``s), inside the blocks of such experts (a
         # mode entered here, outside the trace, would sit below the tracer's own).
+        for b in (*self.scored, *self.looped):
+            refuse_jitter(b.module, b.name)
         for block in dict.fromkeys(st.name.rpartition(".")[0] for st in self.stacked):
             parent = self.model.get_submodule(block)
+            refuse_jitter(parent, block)
             sts = [st for st in self.stacked if st.name.rpartition(".")[0] == block]
             self.enter_context(_forward_as(parent, lambda *a, f=parent.forward, sts=sts, **k: _sized(f, sts, *a, **k)))
         for s in self.stacked:

@@ -199,7 +199,8 @@ def runs() -> list[tuple[dict, dict | None]]:
                           fsdp=bool(c["fsdp"]), mb=mb, schedule=sched if pp > 1 else "1f1b", v=v, reshard=reshard,
                           fsdp_once=once if c["fsdp"] else "", fsdp_unit=c.get("fsdp_unit", "layer"),
                           dp_overlap=c.get("dp_overlap", True), cp=c.get("cp") or 1, ep=c.get("ep") or 1,
-                          ep_overlap=bool(c.get("ep_overlap"))),
+                          ep_overlap=bool(c.get("ep_overlap")), ep_nodes=c.get("ep_nodes") or 0,
+                          ep_fp8=bool(c.get("ep_fp8"))),
             # Row-wise scaled Float8 runs at bf16 speed in these tables (its scaling costs what
             # the fp8 matmuls save); tensor-wise Float8 doubles the matmul peak.
             "global_batch": local * c["dp"], "ac": ac, "fp8": "float8" in prec and "row" not in prec,

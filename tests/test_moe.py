@@ -3,6 +3,8 @@ traced in a fixed-shape form that computes the same thing, priced at their activ
 the model's own weights before training, and refused where routing differs (parity runs in
 tests/test_parity.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,7 +12,13 @@ import torch.nn.functional as F
 
 from autopar import api, traceable
 from autopar.analysis import KIND_MATMUL
-from autopar.cost_models.step import Config, StageModel
+from autopar.cost_models.step import (
+    EP_WEIGHTS,
+    EP_WEIGHTS_SHARDS,
+    Config,
+    StageModel,
+    uniform_assignment,
+)
 from autopar.errors import AutoparError, TraceError
 from tests import zoo
 
@@ -23,7 +31,7 @@ def _qwen2_moe(top_k: int) -> nn.Module:
                             moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
                             num_experts_per_tok=top_k, norm_topk_prob=False)
     cfg._attn_implementation = "sdpa"
-    return tf.Qwen2MoeForCausalLM(cfg)
+    return zoo.module_experts(tf.Qwen2MoeForCausalLM(cfg))  # experts as modules on transformers 5 too
 
 
 def _matmul_flops(model: nn.Module) -> float:
@@ -109,15 +117,12 @@ def test_other_routing_is_refused_not_trained():
         traceable.check_routed_experts(model)
 
 
-def test_router_jitter_is_refused_with_the_setting():
-    import transformers as tf
-
-    cfg = tf.MixtralConfig(vocab_size=256, max_position_embeddings=64, use_cache=False, hidden_size=64,
-                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                           num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1)
-    cfg._attn_implementation = "sdpa"
+@pytest.mark.parametrize("kind", ["hf-mixtral", "custom-mixtral-3d"])
+def test_router_jitter_is_refused_with_the_setting(kind):
+    """Experts as modules or in 3-D parameters (transformers 5's form, whose block multiplies its
+    input by the noise before its router): each rank would draw its own noise."""
     with pytest.raises(TraceError, match="router_jitter_noise=0"):
-        api.profile_model(tf.MixtralForCausalLM(cfg), seq_len=32)
+        api.profile_model(zoo.build(kind, router_jitter_noise=0.1), seq_len=32)
 
 
 def test_narrower_value_heads_priced_as_the_fused_kernel():
@@ -189,7 +194,8 @@ def test_experts_run_on_their_tokens_only_one_grouped_linear_each():
     # The shared and the routed experts' partial sums meet before the residual stream and are
     # reduced once there, over the tokens: priced per layer as attention's reduce and that one.
     rows = {sg.param_names[lin.weight]: lin.node for lin in found.linears if lin.role == "row"}
-    ends = {name.split(".mlp.")[-1].split(".")[0]: found.reduce_at[n] for name, n in rows.items() if ".mlp." in name}
+    ends = {name.split(".mlp.")[-1].removeprefix("block.").split(".")[0]: found.reduce_at[n]  # zoo.FirstOutput's
+            for name, n in rows.items() if ".mlp." in name}
     assert set(ends) == {"shared_expert", "experts"} and len({ends["shared_expert"], ends["experts"]}) == 1
     prof = api.profile_model(model, seq_len=16).profile
     assert [b.rows for b in prof.blocks] == [1 + 1]
@@ -374,6 +380,26 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp, ep):
     assert executed("all_gather_into_tensor", layer_bytes) == gathers == L * (1 + reshard)
 
 
+def test_every_expert_all_to_all_is_recorded_under_ep():
+    """Experts in 3-D parameters, ep 2 over FSDP 4 (each rank gathers every expert's weights):
+    the backward's all-to-alls of the rows, which carry no annotation of their own, are recorded
+    (``pm.info.collectives``, what ``explain`` lists) as expert parallelism's, by their group."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    pins = "ep=2,dp=4,tp=1,sp=0,fsdp=1,mb=2,ac=none,reshard=1,once=microbatch"
+    r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins, "custom-mixtral-3d"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])["got"]
+    assert not [k for k in got if k.split(":")[2] == "?"], got
+    a2a = {k.split(":")[0]: v for k, v in got.items() if k.split(":")[1:4] == ["all_to_all_single", "ep", "None"]}
+    assert a2a == {"forward": 4, "backward": 4}, got
+
+
 @pytest.mark.parametrize("kind", ["custom-mixtral-3d", "hf-gpt-oss"])
 def test_ep_of_experts_in_3d_parameters_moves_what_is_priced(kind):
     """Experts held as 3-D parameters under expert parallelism (ep 4 over FSDP 4, reshard after
@@ -474,6 +500,44 @@ def test_ep_overlap_hides_the_all_to_alls_behind_the_layer_compute():
         api.estimate_plan(m, 4, "dp=4,fsdp=1,ep_overlap=1", global_batch=8, profiled=prof)
     with pytest.raises(AutoparError, match="ep_overlap=True is priced by `autopar estimate` only"):
         api.plan(m, 4, pin="ep=4,ep_overlap=1", global_batch=8, profiled=prof)
+
+
+def test_node_limited_fp8_dispatch_is_priced_as_a_published_run_sent_it():
+    """``ep_nodes=N`` and ``ep_fp8=1`` (``autopar estimate`` only: DeepSeek-V3's node-limited
+    routing and FP8 dispatch): with an ep group over 2 nodes, each token crosses the network once
+    per node its experts are on (here at most 1 of Mixtral's top 2) instead of once per expert,
+    is fanned out to its experts inside the node, and its forward dispatch moves 1 byte a value;
+    the combine and the backward stay in the compute dtype. The planner refuses both."""
+    from autopar import api
+
+    m = zoo.build("hf-mixtral")
+    xs, _ = zoo.example("hf-mixtral", 1, B=16, S=32)
+    prof = api.profile_model(m, example_inputs=xs)
+    ctx = api.make_context(prof.profile, world=16, hardware="h100", global_batch=16, precision="bf16")
+    base = Config(tp=4, dp=4, dp_shard=4, fsdp=True, mb=2, ep=4)  # ep ranks 4 apart: 2 a node
+
+    def priced(**kw):
+        sm = StageModel(ctx, dataclasses.replace(base, **kw))
+        rows = {(c["group"], c["group_size"], c["bytes"]) for c in sm.collectives(uniform_assignment(sm, "none"))
+                if c["group"].startswith("ep") and "row count" not in c["why"] and c["why"] not in (EP_WEIGHTS, EP_WEIGHTS_SHARDS)}
+        return rows, sm.coeffs.parts["none"]["ep_comm"]
+
+    (plain, plain_t), (limited, limited_t) = priced(), priced(ep_nodes=1, ep_fp8=True)
+    assert len(plain) == 1
+    (_, size, row_bytes), = plain
+    n_experts, top_k = next(b.experts for b in prof.profile.blocks if b.experts)
+    assert (size, top_k) == (4, 2)
+    token = row_bytes / top_k  # a token's hidden state in bf16
+    assert limited == {("ep, one rank a node", 2, token / 2), ("ep, one rank a node", 2, token),
+                       ("ep within a node", 2, row_bytes / 2), ("ep within a node", 2, row_bytes)}
+    assert 0 < limited_t < plain_t
+    est, _, _ = api.estimate_plan(m, 16, "tp=4,dp=4,fsdp=1,mb=2,ep=4,ep_nodes=1,ep_fp8=1", global_batch=16,
+                                  profiled=prof)
+    assert any("ep_nodes=1" in n for n in est.notes) and any("ep_fp8=True" in n for n in est.notes), est.notes
+    with pytest.raises(AutoparError, match="add ep=N"):
+        api.estimate_plan(m, 16, "tp=4,dp=4,fsdp=1,ep_nodes=4", global_batch=16, profiled=prof)
+    with pytest.raises(AutoparError, match="ep_fp8=True is priced by `autopar estimate` only"):
+        api.plan(m, 16, pin="ep=4,ep_fp8=1", global_batch=16, profiled=prof)
 
 
 def test_ep_rank_reads_only_its_own_experts_weights():
@@ -596,13 +660,16 @@ class _IndexedExperts(zoo.StackedExperts):
 def test_experts_in_3d_parameters_looping_otherwise_are_refused():
     """Experts in 3-D parameters whose loop is not the one the fixed-shape form runs are refused in
     words, naming the experts, before anything trains; the model is not changed."""
+    import re
+
     import autopar
 
     torch.manual_seed(0)
     model = zoo.build("custom-mixtral-3d")
-    for layer in model.model.layers:
-        layer.block_sparse_moe.experts.__class__ = _IndexedExperts
-    with pytest.raises((AutoparError, TraceError), match=r"experts model.layers.0.block_sparse_moe.experts \(_IndexedExperts\)"):
+    found = traceable.stacked_experts(model)  # the block's attribute is ``mlp`` on transformers 5
+    for st in found:
+        st.module.__class__ = _IndexedExperts
+    with pytest.raises((AutoparError, TraceError), match=rf"experts {re.escape(found[0].name)} \(_IndexedExperts\)"):
         autopar.compile(model, 1, example_inputs=(torch.randint(0, 100, (2, 16)),))
 
 

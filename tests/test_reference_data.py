@@ -45,9 +45,11 @@ def test_deepseek_v3_is_priced_as_it_ran():
     """DeepSeek-V3's pre-training (a HuggingFace config.json, traced as `autopar explain` traces
     it): PP 16, EP 64 over the 128 data-parallel ranks (two replicas of each expert), ZeRO-1 (the
     optimizer sharded, the weights gathered once per step), FP8 GEMMs, DualPipe's all-to-alls
-    under the other chunk's compute; the throughput from 14.8T tokens in 2.664M GPU hours."""
+    under the other chunk's compute, each token sent once per node to at most 4 nodes, dispatched
+    in FP8; the throughput from 14.8T tokens in 2.664M GPU hours."""
     row, spec = next((r, s) for r, s in rr.runs() if r["model"] == "DeepSeek-V3")
     cfg = spec["cfg"]
-    assert (cfg.pp, cfg.ep, cfg.dp, cfg.dp_shard, cfg.tp, cfg.fsdp_once, cfg.ep_overlap) == (16, 64, 128, 64, 1, "gather", True)
+    assert (cfg.pp, cfg.ep, cfg.dp, cfg.dp_shard, cfg.tp, cfg.fsdp_once) == (16, 64, 128, 64, 1, "gather")
+    assert (cfg.ep_overlap, cfg.ep_nodes, cfg.ep_fp8) == (True, 4, True)
     assert spec["fp8"] and spec["hardware"] == "h800" and spec["model"][0] == "hf"
     assert row["published"] == pytest.approx(14.8e12 / (2.664e6 * 3600))

@@ -139,7 +139,12 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cls = tf.BartForConditionalGeneration
     elif kind == "hf-mt5":  # encoder-decoder: relative position bias, gated GELU, untied head
         cfg = tf.MT5Config(d_model=64, d_kv=8, d_ff=128, num_layers=2, num_heads=8, dropout_rate=0.0,
-                           feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=VOCAB)
+                           feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=VOCAB,
+                           # Weights at 0.3 of T5's scale: at 1.0 the first loss is 23 (transformers 4.57)
+                           # or 41 (5.x, another head initialisation), far above ln(vocab), and AdamW's
+                           # third step amplifies fp32's own rounding beyond TRAJ_TOL (5e-5 from an fp64
+                           # run). At 0.3: 5.8-6.5 and within 5e-7 of fp64 under both versions.
+                           initializer_factor=0.3)
         cls = tf.MT5ForConditionalGeneration
     elif kind == "hf-deit":  # images: patch-embedding convolution, class and distillation tokens, classifier
         cfg = tf.DeiTConfig(image_size=IMAGE[1], patch_size=4, num_channels=IMAGE[0], hidden_size=64,
@@ -222,41 +227,167 @@ class StackedExperts(nn.Module):
         return final_hidden_states
 
 
+def _jittered(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Mixtral's router jitter: the block's input times uniform noise while training."""
+    if block.training and block.jitter_noise > 0:
+        noise = torch.empty_like(hidden_states).uniform_(1.0 - block.jitter_noise, 1.0 + block.jitter_noise)
+        return hidden_states * noise
+    return hidden_states
+
+
+class TopKRouter(nn.Module):
+    """transformers 5's ``MixtralTopKRouter``: its own ``(experts, hidden)`` weight, the tokens
+    flattened again (a view of the block's flattened tokens), (logits, weights, chosen experts)."""
+
+    def __init__(self, gate: nn.Linear, top_k: int):
+        super().__init__()
+        self.top_k, self.hidden_dim = top_k, gate.in_features
+        self.weight = gate.weight
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(hidden_states, self.weight)
+        weights, chosen = torch.topk(F.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        return logits, weights / weights.sum(dim=-1, keepdim=True), chosen
+
+
 class StackedMoeBlock(nn.Module):
-    """transformers 5's ``MixtralSparseMoeBlock``: its router returns (logits, weights, chosen
-    experts), its experts are ``StackedExperts``; (output, router logits) as 4.x's block returns."""
+    """transformers 5's ``MixtralSparseMoeBlock``: its router (``TopKRouter``) returns (logits,
+    weights, chosen experts), its experts are ``StackedExperts``; (output, router logits) as 4.x's
+    block returns."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.top_k = block.top_k
-        self.gate = block.gate
+        self.top_k, self.jitter_noise = block.top_k, block.jitter_noise
+        self.gate = TopKRouter(block.gate, block.top_k)
         self.experts = StackedExperts(block.experts)
 
     def forward(self, hidden_states):
         b, s, h = hidden_states.shape
-        x = hidden_states.reshape(-1, h)
-        logits = self.gate(x)
-        probs = F.softmax(logits.float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        return self.experts(x, chosen, weights).reshape(b, s, h), logits
+        hidden_states = _jittered(self, hidden_states)
+        x = hidden_states.view(-1, h)
+        logits, weights, chosen = self.gate(x)
+        return self.experts(x, chosen, weights.to(x.dtype)).reshape(b, s, h), logits
+
+
+class ExpertMLP(nn.Module):
+    """One expert as transformers 4 holds it: three linears (``gate_proj``, ``up_proj``,
+    ``down_proj``), the weights of one entry of transformers 5's 3-D experts."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
+        super().__init__()
+        inter, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        with torch.no_grad():
+            self.gate_proj.weight.copy_(gate_up[:inter])
+            self.up_proj.weight.copy_(gate_up[inter:])
+            self.down_proj.weight.copy_(down)
+        self.act_fn = act_fn
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ModuleMoeBlock(nn.Module):
+    """A mixture-of-experts block as transformers 4 writes Mixtral's, Qwen2-MoE's, Qwen3-MoE's and
+    DeepSeek-V2's: a router, the experts a list of modules, looped over the experts hit
+    (``one_hot``, ``nonzero``, ``torch.where``, ``index_add_``), and the shared experts (Qwen2-MoE's
+    gated). Made from transformers 5's block (3-D experts, a router module) with the same weights,
+    so the suite covers the module form on 5.x too. The router is a linear whose softmax top-k the
+    block takes (renormalised where ``norm_topk_prob``), or with ``keep_router`` the block's own
+    router module, whose chosen experts and weights it reads (DeepSeek-V2's gate: scaled, not
+    renormalised). Returns what 4.x's block returns: (output, router logits) with a linear router
+    (``FirstOutput`` hands 5.x's decoder layer the output), the output alone with a router module."""
+
+    def __init__(self, block: nn.Module, keep_router: bool = False):
+        super().__init__()
+        router, ex = block.gate, block.experts
+        n, hidden = router.weight.shape
+        self.top_k, self.norm_topk_prob, self.keep_router = router.top_k, getattr(router, "norm_topk_prob", True), keep_router
+        self.jitter_noise = getattr(block, "jitter_noise", 0.0)
+        if keep_router:
+            self.gate = router
+        else:
+            self.gate = nn.Linear(hidden, n, bias=False)
+            self.gate.weight = router.weight
+        self.experts = nn.ModuleList(ExpertMLP(ex.gate_up_proj[e].detach(), ex.down_proj[e].detach(), ex.act_fn)
+                                     for e in range(n))
+        for name in ("shared_expert", "shared_expert_gate", "shared_experts"):
+            if getattr(block, name, None) is not None:
+                setattr(self, name, getattr(block, name))
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        hidden_states = _jittered(self, hidden_states)
+        x = hidden_states.view(-1, h)
+        if self.keep_router:
+            _, weights, chosen = self.gate(hidden_states)
+        else:
+            logits = self.gate(x)
+            weights, chosen = torch.topk(F.softmax(logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, rows = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[None, rows].reshape(-1, h)) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = out.reshape(b, s, h)
+        if self.keep_router:
+            return out + self.shared_experts(hidden_states) if hasattr(self, "shared_experts") else out
+        return out, logits
+
+
+class FirstOutput(nn.Module):
+    """A 4.x block returning (output, router logits) where a 5.x decoder layer takes the output."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states):
+        return self.block(hidden_states)[0]
+
+
+def module_experts(model: nn.Module, keep_router: bool = False) -> nn.Module:
+    """``model`` with each block of transformers 5's 3-D experts and router module made a
+    ``ModuleMoeBlock`` (nothing to do on transformers 4, whose blocks are so already)."""
+    for name, m in list(model.named_modules()):
+        ex = m._modules.get("experts")
+        if ex is not None and getattr(ex, "gate_up_proj", None) is not None and getattr(m, "gate", None) is not None:
+            parent, _, child = name.rpartition(".")
+            block = ModuleMoeBlock(m, keep_router)
+            setattr(model.get_submodule(parent), child, block if keep_router else FirstOutput(block))
+    return model
+
+
+# The families whose suite cases read their experts as transformers 4 holds them (modules), and
+# whether the block keeps its router module (``ModuleMoeBlock``).
+MODULE_EXPERTS = {"hf-mixtral": False, "hf-qwen2-moe": False, "hf-qwen3-moe": False, "hf-deepseek-v2": True}
 
 
 def _biased_experts(model: nn.Module) -> nn.Module:
     """``model`` with a bias (random, so that its gradient differs per expert) on every routed
     expert's linear: experts as modules whose biases each row takes by its expert."""
     g = torch.Generator().manual_seed(2)
-    for layer in model.model.layers:
-        for expert in layer.mlp.experts:
+    for block in model.modules():
+        experts = block._modules.get("experts")
+        for expert in experts if isinstance(experts, nn.ModuleList) else ():
             for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
                 lin.bias = nn.Parameter(0.1 * torch.randn(lin.out_features, generator=g))
     return model
 
 
-def _stacked_mixtral() -> nn.Module:
+def _stacked_mixtral(**overrides) -> nn.Module:
     """Mixtral with its experts as transformers 5 holds them (the same weights): made so on 4.x,
     as built on 5.x."""
-    model = _hf("hf-mixtral")
+    model = _hf("hf-mixtral", **overrides)
     for layer in model.model.layers:
         if hasattr(layer, "block_sparse_moe"):  # transformers 4: experts as modules
             layer.block_sparse_moe = StackedMoeBlock(layer.block_sparse_moe)
@@ -427,17 +558,19 @@ def build(kind: str, **overrides) -> nn.Module:
         return TitanLlama()
     if kind == "diffusers-dit":
         return _dit()
-    if kind.startswith(("hf-", "hf:")) and kind.endswith("layers"):  # "hf-<family>-<n>layers": n decoder layers
-        base, n = kind.rsplit("-", 1)
-        return _hf(base, num_hidden_layers=int(n.removesuffix("layers")), **overrides)
     if kind.startswith(("hf-", "hf:")):
-        return _hf(kind, **overrides)
+        base = kind
+        if kind.endswith("layers"):  # "hf-<family>-<n>layers": n decoder layers
+            base, n = kind.rsplit("-", 1)
+            overrides = {"num_hidden_layers": int(n.removesuffix("layers")), **overrides}
+        model = _hf(base, **overrides)
+        return module_experts(model, MODULE_EXPERTS[base]) if base in MODULE_EXPERTS else model
     if kind == "custom-llama":
         return CustomLlama()
     if kind == "custom-mixtral-3d":
-        return _stacked_mixtral()
+        return _stacked_mixtral(**overrides)
     if kind == "custom-qwen2-moe-biased":
-        return _biased_experts(_hf("hf-qwen2-moe"))
+        return _biased_experts(build("hf-qwen2-moe"))
     import dataclasses
 
     from autopar import models

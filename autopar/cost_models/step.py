@@ -112,6 +112,13 @@ class Config:
     # runs them between the layer's computations, exposed. Priced for published runs; the search
     # never sets it.
     ep_overlap: bool = False
+    # How a published MoE run sent its routed tokens (priced for it; the search never sets these:
+    # autopar's executor sends each (token, expert) row to its expert's rank in the compute dtype).
+    # ``ep_nodes``: node-limited routing, each token sent once to each of the at most ``ep_nodes``
+    # nodes its experts are on and fanned out to them over the node's own links (DeepSeek-V3: 4);
+    # ``ep_fp8``: the forward dispatch sent in FP8 (the combine and the backward's in the compute dtype).
+    ep_nodes: int = 0
+    ep_fp8: bool = False
 
     @property
     def world(self) -> int:
@@ -129,7 +136,8 @@ class Config:
     def key(self) -> tuple:
         return (self.pp, self.dp, self.dp_shard, self.tp, int(self.sp), int(self.fsdp),
                 int(self.reshard), self.mb, SCHEDULES.index(self.schedule), self.v, self.fsdp_once, self.fsdp_unit,
-                int(self.dp_overlap), self.cp, self.prefetch, self.ep, int(self.ep_overlap))
+                int(self.dp_overlap), self.cp, self.prefetch, self.ep, int(self.ep_overlap), self.ep_nodes,
+                int(self.ep_fp8))
 
     def short(self) -> str:
         s = f"tp={self.tp},pp={self.pp},dp={self.dp},sp={int(self.sp)},fsdp={int(self.fsdp)},mb={self.mb}"
@@ -149,6 +157,10 @@ class Config:
             s += f",ep={self.ep}"
         if self.ep > 1 and self.ep_overlap:
             s += ",ep_overlap=1"
+        if self.ep > 1 and self.ep_nodes:
+            s += f",ep_nodes={self.ep_nodes}"
+        if self.ep > 1 and self.ep_fp8:
+            s += ",ep_fp8=1"
         if self.pp > 1:
             s += f",schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else "")
         return s
@@ -278,8 +290,7 @@ class StageModel:
         self.g_shard = group_on_mesh(mesh, 2, gpn)
         self.g_tp = group_on_mesh(mesh, 3, gpn)
         self.g_cp = group_on_mesh([cfg.pp, cfg.dp, cfg.cp, cfg.tp], 2, gpn)
-        # ep consecutive data-parallel ranks (passes/ep.py), cp x tp ranks apart.
-        self.g_ep = group_on_mesh([cfg.pp, cfg.dp // cfg.ep, cfg.ep, cfg.cp * cfg.tp], 2, gpn)
+        self.g_ep = ep_group(cfg, gpn)
         # The ranks of dp_shard with this rank's place in its ep group: an owned expert's FSDP shards
         # beyond the ep ranks (``ep_owned`` with dp_shard a multiple of ep).
         self.g_ep_shard = (group_on_mesh([cfg.pp, cfg.dp_replicate, cfg.dp_shard // cfg.ep, cfg.ep, cfg.cp * cfg.tp], 2, gpn)
@@ -295,6 +306,16 @@ class StageModel:
         # The rank that runs the last stage (the head and the loss): V-shaped zbv puts it on rank 0.
         self.post_rank = 0 if cfg.schedule == "zbv" else cfg.pp - 1
         self._outer()
+
+    def _ep_group(self, why: str) -> Group:
+        """The group an expert-parallel collective (``ep_layer_collectives``) runs over."""
+        if why == EP_WEIGHTS_SHARDS:
+            return self.g_ep_shard
+        if why == EP_NODES:  # one rank a node: the token's copy sent to each node
+            return Group(self.g_ep.nodes, 1)
+        if why == EP_IN_NODE:
+            return Group(self.g_ep.per_node, self.g_ep.per_node)
+        return self.g_ep
 
     def _ct(self, kind: str, nbytes: float, g: Group) -> float:
         """``collective_time`` on this context's hardware, shared by the search's configurations."""
@@ -358,7 +379,7 @@ class StageModel:
         # their weights' all-to-all in place of the experts' FSDP gathers and reductions.
         ep_fwd = ep_bwd = ep_rows = 0.0
         for kind, nbytes, n_fwd, n_bwd, why in ep_layer_collectives(b, cfg, ctx):
-            t = self._ct(kind, nbytes, self.g_ep_shard if why == EP_WEIGHTS_SHARDS else self.g_ep)
+            t = self._ct(kind, nbytes, self._ep_group(why))
             ep_fwd += n_fwd * t
             ep_bwd += n_bwd * t
             ep_rows += n_fwd * t if why not in (EP_WEIGHTS, EP_WEIGHTS_SHARDS) else 0.0
@@ -864,9 +885,12 @@ class StageModel:
         if cfg.ep > 1 and moe is not None:
             share = sum(1 for x in self.layers if x.experts) / len(self.layers)  # the layers with experts
             for kind, nbytes, nf, nb, why in ep_layer_collectives(moe, cfg, ctx):
+                if self._ep_group(why).size == 1:  # node-limited routing inside one node: no network part
+                    continue
                 again = 0 if why in (EP_WEIGHTS, EP_WEIGHTS_SHARDS) else n_full  # a full recompute routes the rows again
-                group = ("dp_shard / ep", cfg.dp_shard // cfg.ep) if why == EP_WEIGHTS_SHARDS else ("ep", cfg.ep)
-                out.append({"kind": kind, "group": group[0], "group_size": group[1], "bytes": nbytes,
+                name = {EP_WEIGHTS_SHARDS: "dp_shard / ep", EP_NODES: "ep, one rank a node",
+                        EP_IN_NODE: "ep within a node"}.get(why, "ep")
+                out.append({"kind": kind, "group": name, "group_size": self._ep_group(why).size, "bytes": nbytes,
                             "count": round((nf * (n + again) + nb * n) * share * M), "why": why})
         shard_group = "dp_shard" if cfg.cp == 1 else "dp_shard x cp"
         if cfg.shard > 1:
@@ -971,9 +995,18 @@ def cp_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
             ("send_recv", half, 2, 2, "CP: half the queries and their outputs swapped with the mirror rank")]
 
 
+EP_ROWS = "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)"
+EP_NODES = ("EP: each token once to each node its experts are on and back (fwd), the gradients (bwd): "
+            "node-limited routing")
+EP_IN_NODE = "EP: the tokens fanned out to their experts' ranks inside the node and back, and their gradients"
 EP_WEIGHTS = "EP: experts' weight shards to their experts' ranks (fwd), again after reshard, gradients back (bwd)"
 EP_WEIGHTS_SHARDS = ("EP: the owners' shards of their experts' weights gathered over dp_shard / ep (fwd), again after "
                      "reshard, their gradients reduced (bwd)")
+
+
+def ep_group(cfg: Config, gpus_per_node: int) -> Group:
+    """The ep group: ``ep`` consecutive data-parallel ranks (passes/ep.py), cp x tp ranks apart."""
+    return group_on_mesh([cfg.pp, cfg.dp // cfg.ep, cfg.ep, cfg.cp * cfg.tp], 2, gpus_per_node)
 
 
 def ep_owned(cfg, b: BlockProfile | None = None) -> bool:
@@ -1001,10 +1034,20 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
         return []
     n_experts, top_k = b.experts
     m = ctx.model
-    n_rows = cfg.mb / cfg.cp * m.seq_len * top_k * ctx.ep_imbalance
-    out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count"),
-           ("all_to_all", n_rows * m.hidden * ctx.act_bytes, 2, 2,
-            "EP: routed rows to their experts' ranks and back (fwd), their gradients (bwd)")]
+    n_tokens = cfg.mb / cfg.cp * m.seq_len * ctx.ep_imbalance
+    n_rows = n_tokens * top_k
+    out = [("all_to_all", 8.0 * n_experts, 1, 0, "EP: each expert's routed row count")]
+    row = m.hidden * ctx.act_bytes
+    if not (cfg.ep_nodes or cfg.ep_fp8):
+        out.append(("all_to_all", n_rows * row, 2, 2, EP_ROWS))
+    else:  # a published run's dispatch (``Config.ep_nodes``, ``ep_fp8``)
+        sent = m.hidden * (1.0 if cfg.ep_fp8 else ctx.act_bytes)  # FP8's per-tile scales: under 1%
+        if cfg.ep_nodes:
+            copies = n_tokens * min(cfg.ep_nodes, top_k, ep_group(cfg, ctx.hw.gpus_per_node).nodes)
+            out += [("all_to_all", copies * sent, 1, 0, EP_NODES), ("all_to_all", copies * row, 1, 2, EP_NODES),
+                    ("all_to_all", n_rows * sent, 1, 0, EP_IN_NODE), ("all_to_all", n_rows * row, 1, 2, EP_IN_NODE)]
+        else:
+            out += [("all_to_all", n_rows * sent, 1, 0, EP_ROWS), ("all_to_all", n_rows * row, 1, 2, EP_ROWS)]
     if b.experts_biased:  # each row's expert index travels with it (its bias, passes/ep.py)
         out.append(("all_to_all", 8.0 * n_rows, 1, 0, "EP: routed rows' expert indices (biases)"))
     if ep_owned(cfg, b) and not b.experts_stacked:  # one all-to-all per grouped linear (gate, up, down)
