@@ -312,8 +312,7 @@ class ModuleMoeBlock(nn.Module):
         else:
             self.gate = nn.Linear(hidden, n, bias=False)
             self.gate.weight = router.weight
-        self.experts = nn.ModuleList(ExpertMLP(ex.gate_up_proj[e].detach(), ex.down_proj[e].detach(), ex.act_fn)
-                                     for e in range(n))
+        self.experts = _expert_modules(ex)
         for name in ("shared_expert", "shared_expert_gate", "shared_experts"):
             if getattr(block, name, None) is not None:
                 setattr(self, name, getattr(block, name))
@@ -329,13 +328,7 @@ class ModuleMoeBlock(nn.Module):
             weights, chosen = torch.topk(F.softmax(logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
-        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
-            slot, rows = torch.where(mask[e].squeeze(0))
-            y = self.experts[e](x[None, rows].reshape(-1, h)) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(x.dtype))
+        out = _loop_experts(self.experts, x, weights.to(x.dtype), chosen)
         if hasattr(self, "shared_expert"):
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out = out.reshape(b, s, h)
@@ -358,18 +351,158 @@ class FirstOutput(nn.Module):
 def module_experts(model: nn.Module, keep_router: bool = False) -> nn.Module:
     """``model`` with each block of transformers 5's 3-D experts and router module made a
     ``ModuleMoeBlock`` (nothing to do on transformers 4, whose blocks are so already)."""
-    for name, m in list(model.named_modules()):
-        ex = m._modules.get("experts")
-        if ex is not None and getattr(ex, "gate_up_proj", None) is not None and getattr(m, "gate", None) is not None:
-            parent, _, child = name.rpartition(".")
-            block = ModuleMoeBlock(m, keep_router)
-            setattr(model.get_submodule(parent), child, block if keep_router else FirstOutput(block))
-    return model
+    return four_x_blocks(model, lambda m: ModuleMoeBlock(m, True) if keep_router else FirstOutput(ModuleMoeBlock(m)))
 
 
 # The families whose suite cases read their experts as transformers 4 holds them (modules), and
 # whether the block keeps its router module (``ModuleMoeBlock``).
 MODULE_EXPERTS = {"hf-mixtral": False, "hf-qwen2-moe": False, "hf-qwen3-moe": False, "hf-deepseek-v2": True}
+
+
+def _expert_modules(ex: nn.Module) -> nn.ModuleList:
+    """transformers 5's 3-D experts (``gate_up_proj``, ``down_proj``) as a list of ``ExpertMLP``."""
+    return nn.ModuleList(ExpertMLP(ex.gate_up_proj[e].detach(), ex.down_proj[e].detach(), ex.act_fn)
+                         for e in range(ex.gate_up_proj.shape[0]))
+
+
+def _loop_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """transformers 4's loop over the experts hit: each on its rows, scaled, added in place."""
+    h = x.shape[-1]
+    out = torch.zeros_like(x)
+    mask = F.one_hot(chosen, num_classes=len(experts)).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+        slot, rows = torch.where(mask[e].squeeze(0))
+        y = experts[e](x[None, rows].reshape(-1, h)) * weights[rows, slot, None]
+        out.index_add_(0, rows, y.to(x.dtype))
+    return out
+
+
+class LogitsGate(nn.Module):
+    """transformers 4's Hunyuan gate: the router's logits only (fp32 where its weight is)."""
+
+    def __init__(self, wg: nn.Linear):
+        super().__init__()
+        self.wg = wg
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return self.wg(x.float() if self.wg.weight.dtype == torch.float32 else x)
+
+
+class LoopedMoeBlock(nn.Module):
+    """A block that routes by code of its own and loops over expert modules, as transformers 4
+    writes Ernie 4.5's (an fp32 linear router, top-k of the bias-corrected scores, the chosen
+    scores renormalised with a floor; shared experts) and Hunyuan's (a gate module returning the
+    logits; a shared MLP). Made from transformers 5's block (a router module, 3-D experts) with
+    the same weights; returns the output, as 5.x's decoder layer takes it."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        router = block.gate
+        self.top_k = router.top_k
+        self.ernie = hasattr(router, "moe_statics")
+        if self.ernie:
+            self.gate = nn.Linear(router.weight.shape[1], router.weight.shape[0], bias=False, dtype=torch.float32)
+            self.gate.weight = router.weight
+            self.moe_statics, self.norm_min = router.moe_statics, router.norm_min
+            self.shared_experts = block.shared_experts
+        else:
+            self.gate = LogitsGate(router.wg)
+            self.shared_mlp = block.shared_mlp
+        self.experts = _expert_modules(block.experts)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        if self.ernie:
+            x = hidden_states.view(-1, h)
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                probs = F.softmax(self.gate(x.float()), dim=1, dtype=torch.float)
+                _, chosen = torch.topk(self.moe_statics(probs), self.top_k, dim=-1)
+                weights = torch.gather(probs, dim=-1, index=chosen)
+                weights = weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=self.norm_min)
+        else:
+            shared = self.shared_mlp(hidden_states).view(-1, h)
+            probs = F.softmax(self.gate(hidden_states), dim=1, dtype=torch.float)
+            x = hidden_states.view(-1, h)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = _loop_experts(self.experts, x, weights.to(x.dtype), chosen)
+        if shared is not None:
+            out = out + shared
+        return out.reshape(b, s, h)
+
+
+class ParallelExperts(nn.Module):
+    """transformers 4's Granite MoE experts: a 3-D weight, the rows split by the router's list of
+    rows per expert, one linear each."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.num_experts = weight.shape[0]
+
+    def forward(self, inputs, expert_size):
+        parts = inputs.split(expert_size, dim=0)
+        return torch.cat([F.linear(parts[i], self.weight[i]) for i in range(self.num_experts)], dim=0)
+
+
+class SortingGate(nn.Module):
+    """transformers 4's Granite MoE router: top-k of the logits, softmax over the chosen, the
+    rows sorted by expert and each expert's row count as a Python list."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = weight.shape[0], top_k
+        self.layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.layer.weight = weight
+
+    def forward(self, hidden_states):
+        logits = self.layer(hidden_states).float()
+        top_logits, top_idx = logits.topk(self.top_k, dim=1)
+        gates = torch.softmax(top_logits, dim=1).type_as(hidden_states)
+        zeros = torch.zeros([gates.size(0), self.num_experts], dtype=gates.dtype, device=gates.device)
+        expert_size = zeros.scatter(1, top_idx, 1).long().sum(0).tolist()
+        _, order = top_idx.flatten().sort(0)
+        return order, order.div(self.top_k, rounding_mode="trunc"), gates.flatten()[order], expert_size, logits
+
+
+class SplitMoeBlock(nn.Module):
+    """transformers 4's Granite MoE block (``SortingGate``, ``ParallelExperts`` in and out) made
+    from transformers 5's (a router, 3-D experts) with the same weights; returns the output."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        ex = block.experts
+        self.input_size, self.activation = ex.gate_up_proj.shape[2], ex.act_fn
+        self.input_linear = ParallelExperts(ex.gate_up_proj)
+        self.output_linear = ParallelExperts(ex.down_proj)
+        self.router = SortingGate(block.router.weight, block.router.top_k)
+
+    def forward(self, layer_input):
+        b, s, h = layer_input.size()
+        x = layer_input.reshape(-1, h)
+        _, rows, gates, expert_size, _ = self.router(x)
+        hidden = self.input_linear(x[rows], expert_size).chunk(2, dim=-1)
+        out = self.output_linear(self.activation(hidden[0]) * hidden[1], expert_size) * gates[:, None]
+        return torch.zeros((b * s, h), dtype=out.dtype, device=out.device).index_add(0, rows, out).view(b, s, h)
+
+
+def four_x_blocks(model: nn.Module, form) -> nn.Module:
+    """``model`` with each block of transformers 5's 3-D experts made ``form`` (a block as 4.x
+    writes it; nothing to do on 4.x, whose blocks are so already)."""
+    for name, m in list(model.named_modules()):
+        ex = m._modules.get("experts")
+        if ex is not None and getattr(ex, "gate_up_proj", None) is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, form(m))
+    return model
+
+
+# The families whose suite cases read their experts in a form transformers 4 writes and 5 no
+# longer does: looped by the block's own routing (Ernie 4.5, Hunyuan), split by a list of rows
+# per expert (Granite MoE).
+FOUR_X_FORMS = {"hf:ernie4_5_moe": LoopedMoeBlock, "hf:hunyuan_v1_moe": LoopedMoeBlock, "hf:granitemoe": SplitMoeBlock}
 
 
 def _biased_experts(model: nn.Module) -> nn.Module:
@@ -564,6 +697,8 @@ def build(kind: str, **overrides) -> nn.Module:
             base, n = kind.rsplit("-", 1)
             overrides = {"num_hidden_layers": int(n.removesuffix("layers")), **overrides}
         model = _hf(base, **overrides)
+        if base in FOUR_X_FORMS:
+            return four_x_blocks(model, FOUR_X_FORMS[base])
         return module_experts(model, MODULE_EXPERTS[base]) if base in MODULE_EXPERTS else model
     if kind == "custom-llama":
         return CustomLlama()
