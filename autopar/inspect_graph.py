@@ -31,9 +31,52 @@ from autopar.plan import Plan, precision
 
 
 def _cut(build, layers: int):
-    """The model with ``layers`` repeated layers, parameters allocated but not initialised."""
+    """The model with ``layers`` repeated layers, parameters allocated but not initialised: made
+    from its config at that depth, or, where the built model's modules are not what its config
+    makes (the builder replaced some after construction), its own layers repeated in turn."""
     with torch.device("meta"):
-        model = build()
+        built = build()
+    cut = _from_config(built, layers)
+    if cut is not built and _module_types(cut) != _module_types(built):
+        cut = _restacked(built, layers)
+    return cut.to_empty(device="cpu")
+
+
+def _module_types(model: torch.nn.Module) -> set:
+    return {type(m) for m in model.modules()}
+
+
+def _restacked(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """``model`` (on the meta device) with ``layers`` layers in its stack of repeated layers:
+    copies of its own in turn (layer ``i`` a copy of layer ``i mod n``), the config's depth and
+    per-layer lists (layer types) set to match."""
+    import copy
+
+    from autopar.capture import find_layers
+    from autopar.errors import AutoparError
+
+    names = find_layers(model)
+    parents = {n.rpartition(".")[0] for n in names}
+    stack = model.get_submodule(next(iter(parents))) if len(parents) == 1 else None
+    if not isinstance(stack, torch.nn.ModuleList) or len(stack) != len(names):
+        raise AutoparError("explain --graph: the model's layers are not one list of repeated layers and its "
+                           "modules are not what its config builds, so it cannot be walked at another depth")
+    n = len(stack)
+    new = torch.nn.ModuleList(stack[i] if i < n else copy.deepcopy(stack[i % n]) for i in range(layers))
+    parent, _, child = next(iter(parents)).rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "num_hidden_layers", None) == n:
+        for k, v in list(vars(cfg).items()):
+            if isinstance(v, list) and len(v) == n:
+                setattr(cfg, k, [v[i % n] for i in range(layers)])
+        cfg.num_hidden_layers = layers
+    return model
+
+
+def _from_config(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """``model``'s class made from its config with ``layers`` layers (on the meta device), or
+    ``model`` itself where it has no config that says its depth."""
     cfg = getattr(model, "config", None)
     if dataclasses.is_dataclass(cfg) and hasattr(cfg, "n_layers"):
         with torch.device("meta"):
@@ -54,7 +97,7 @@ def _cut(build, layers: int):
         cfg = type(cfg).from_dict({**d, "num_hidden_layers": layers})
         with torch.device("meta"):
             model = type(model)(cfg)
-    return model.to_empty(device="cpu")
+    return model
 
 
 def _compile(build, plan: Plan, layers: int, ac: list[str] | None = None, *, dtype=None, batch: int | None = None):

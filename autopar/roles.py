@@ -292,15 +292,17 @@ def _token_rows(x: torch.fx.Node, linears: dict) -> bool:
             and all(u in linears and linears[u].grouped for u in x.users))
 
 
-def _read_as_tokens(x: torch.fx.Node, linears: dict) -> bool:
+def _read_as_tokens(x: torch.fx.Node, linears: dict, sibling: bool = False) -> bool:
     """``x`` (a view) is read only as linears' input (one linear, or a block's router, shared
     and routed experts; and for its shape): it is gathered where its source is, before the view, once for them all
     (under SP the source's sequence shards are gathered whole; the view of them stays local).
-    A view of it read so counts as such a reader (transformers 5's Mixtral router reshapes the
-    tokens its block already flattened for the experts)."""
-    return len(x.users) == 1 or all((u in linears and linears[u].act is x) or _token_rows(u, linears)
-                                    or u.target in ZEROS  # zeros_like reads the shape only
-                                    or (u.target in FEATURE_VIEWS and _read_as_tokens(u, linears)) for u in x.users)
+    A view of it whose every reader is such (``sibling``: its one reader must be too) counts as
+    such a reader (transformers 5's Mixtral router reshapes the tokens its block already
+    flattened for the experts)."""
+    return (len(x.users) == 1 and not sibling) or all(
+        (u in linears and linears[u].act is x) or _token_rows(u, linears)
+        or u.target in ZEROS  # zeros_like reads the shape only
+        or (u.target in FEATURE_VIEWS and _read_as_tokens(u, linears, sibling=True)) for u in x.users)
 
 
 def _narrows(x: torch.fx.Node) -> bool:

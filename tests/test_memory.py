@@ -196,6 +196,35 @@ def test_executed_memory_extrapolates_to_the_walk_at_full_depth(fake_group):
     assert ex["step_peak"] == pytest.approx(direct, rel=0.02)
 
 
+def test_explain_graph_walks_the_model_the_builder_built():
+    """A builder that replaces modules after construction (tests/zoo's 4.x expert forms on
+    transformers 5): explain --graph's 3- and 4-layer models keep those modules (its own layers
+    in turn), not what the config alone would build; an unmodified model is made from its config."""
+    from autopar import inspect_graph
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return 2 * self.mlp(x)
+
+    def build():
+        model = zoo.build("hf-llama")
+        for layer in model.model.layers:
+            layer.mlp = Doubled(layer.mlp)
+        return model
+
+    for n in (1, 3, 4):
+        cut = inspect_graph._cut(build, n)
+        assert len(cut.model.layers) == n == cut.config.num_hidden_layers
+        assert all(isinstance(layer.mlp, Doubled) for layer in cut.model.layers)
+        assert len({id(p) for p in cut.parameters()}) == len(list(cut.parameters()))  # copies, not shared
+    plain = inspect_graph._cut(lambda: zoo.build("hf-llama"), 3)
+    assert len(plain.model.layers) == 3 and not any(isinstance(m, Doubled) for m in plain.modules())
+
+
 # At this size the prediction is 4-8% above the executed step (the program Inductor makes of the
 # graphs); at llama3-8b/64 and llama3-70b/256 (``explain --graph``) within 3.5%.
 @pytest.mark.parametrize("pin", ["dp=4,fsdp=1,tp=1,pp=1,ac=none,mb=1,once=microbatch",

@@ -19,10 +19,15 @@ GRAD_TOL = 5e-7  # relative to the largest gradient entry when that is above 1
 LOSS_TOL = 2e-6  # first step: the same computation up to reduction order (relative above a loss of 1)
 TRAJ_TOL = 2e-5  # later steps: AdamW divides by sqrt(v) and amplifies rounding on tiny gradients (likewise)
 # Mixed precision (bf16 compute) against FSDP2 with the same policy: both round to bf16, at
-# different points (Inductor fuses element-wise chains in fp32, eager rounds after each op), and
-# AdamW's normalised steps amplify it; measured on HF Llama under FSDP 4: 1e-5, 7e-5, 1.6e-3 over
-# three steps (against fp32: 3.5e-5, 1.3e-3, 1.9e-3).
-MP_TOL = 5e-3
+# different points (Inductor fuses element-wise chains in fp32, eager rounds after each op). The
+# first loss is the same computation: measured 7e-6 to 3e-5 apart. AdamW's first step moves every
+# weight by the learning rate times its gradient's sign, so each small gradient whose sign the
+# rounding flips moves 2e-2 the other way, and the later losses part further: HF Llama under
+# FSDP 4 1e-5, 7e-5, 1.6e-3 over three steps (against fp32: 3.5e-5, 1.3e-3, 1.9e-3); DeiT under
+# FSDP 4 at its second step 3.0e-3 from FSDP2's on transformers 4.57 (6.2e-3 and 3.2e-3 from
+# fp32's) and 5.2e-3 on 5.24 (5.5e-3 and 3.6e-4 from fp32's).
+MP_FIRST_TOL = 1e-3
+MP_TOL = 1e-2
 
 TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
 MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-gemma", "hf-gpt2", "hf-neox",
@@ -320,7 +325,7 @@ def check_mixed(per_rank: list[dict], plan) -> None:
     """Mixed precision ran as FSDP2 runs it: the parameters and their gradients stay fp32, the
     data-parallel gathers move bf16 and the gradient reductions fp32, every matrix product of the
     forward's layers takes bf16 (bf16 really ran), and the loss trajectory is FSDP2's
-    within MP_TOL. (Not that the first loss is nearer FSDP2's than fp32's: Inductor keeps some
+    within MP_FIRST_TOL at the first step and MP_TOL after. (Not that the first loss is nearer FSDP2's than fp32's: Inductor keeps some
     bf16 intermediates in fp32 inside its fused kernels, which puts the compiled loss 1e-5 to 1e-4
     from eager bf16's, as far as bf16 is from fp32 on these models, on either side: HF Llama under
     TP 2 + SP, batch 16, every layer inline, landed nearer fp32.)"""
@@ -337,7 +342,8 @@ def check_mixed(per_rank: list[dict], plan) -> None:
     assert any(x["dtypes"]["all_gather" if sharded else "all_reduce"] for x in per_rank), "no data-parallel collective"
     assert all(x["dtypes"]["matmul"] == ["torch.bfloat16"] for x in per_rank), [x["dtypes"] for x in per_rank]
     got, fsdp2 = r["losses"], r["fsdp2_losses"]
-    assert got == pytest.approx(fsdp2, abs=MP_TOL), (r["name"], got, fsdp2)
+    assert got[0] == pytest.approx(fsdp2[0], abs=MP_FIRST_TOL), (r["name"], got, fsdp2)
+    assert got[1:] == pytest.approx(fsdp2[1:], abs=MP_TOL), (r["name"], got, fsdp2)
     assert len({tuple(x["losses"]) for x in per_rank}) == 1, "every rank reports the same loss"
 
 
