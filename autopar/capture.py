@@ -236,17 +236,44 @@ def _trace_error(e: Exception, what: str, advice: str | None = None) -> TraceErr
 def no_init():
     """``torch.nn.init``'s in-place initialisers as no-ops: on fake tensors values do not exist,
     and some initialisers decide on them (a truncated normal redraws out-of-range samples:
-    ViT's and ModernBERT's weights)."""
+    ViT's and ModernBERT's weights). A module first imported meanwhile that kept one of them
+    (transformers 5's ``initialization`` keeps every one in a table at import, through which all
+    its models initialise) gets the real one back: else every model built later in the process
+    would keep its constructors' values, and parameters made with ``torch.empty`` (5.x's 3-D
+    experts) whatever memory held."""
+    import sys
+
     import torch.nn.init as init
 
     kept = {k: v for k, v in vars(init).items() if k.endswith("_") and not k.startswith("_") and callable(v)}
+    noops = {k: _noop_init() for k in kept}
+    before = set(sys.modules)
     try:
-        for k in kept:
-            setattr(init, k, lambda tensor, *args, **kwargs: tensor)
+        for k, f in noops.items():
+            setattr(init, k, f)
         yield
     finally:
         for k, v in kept.items():
             setattr(init, k, v)
+        real = {id(noops[k]): v for k, v in kept.items()}
+        for name in set(sys.modules) - before:
+            _rebind(sys.modules.get(name), real)
+
+
+def _noop_init():
+    return lambda tensor, *args, **kwargs: tensor
+
+
+def _rebind(module, real: dict) -> None:
+    """``module``'s globals, and the dicts among them, that hold a no-op of ``no_init`` (by id in
+    ``real``) made the real initialiser again."""
+    space = getattr(module, "__dict__", None)
+    if not isinstance(space, dict):
+        return
+    for table in (space, *[v for v in list(space.values()) if type(v) is dict]):
+        for k, v in list(table.items()):
+            if id(v) in real and callable(v):
+                table[k] = real[id(v)]
 
 
 def _built_on_meta(build: Callable[[], nn.Module], mode) -> tuple[nn.Module, tuple[list[str], list[str]] | None]:

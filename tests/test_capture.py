@@ -252,3 +252,32 @@ def test_a_tensor_filled_slice_by_slice_is_traced_as_its_data_flow():
     out_of_place(gm)
     assert torch.ops.aten.copy_.default in [n.target for n in gm.graph.nodes]
     assert torch.equal(gm(p, q), read_first(p, q))
+
+
+def test_models_built_after_planning_are_initialised_as_their_library_does():
+    """Planning builds the model with ``torch.nn.init`` made no-ops (``capture.no_init``). A
+    library first imported meanwhile that keeps the initialisers it found (transformers 5's
+    ``initialization``, through which its models initialise) gets the real ones back: an HF
+    model built later in the same process has HF's initial weights (normal, std 0.02), its 3-D
+    experts (``torch.empty``) included, not its constructors' values or uninitialised memory.
+    In a fresh process, where transformers has not initialised a model yet."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch, autopar
+        from tests import zoo
+        ids = torch.zeros((2, 16), dtype=torch.long)
+        autopar.plan(lambda: zoo.build("hf-llama"), 2, pin="tp=1,dp=2", example_inputs=(ids,), global_batch=2)
+        torch.manual_seed(0)
+        m = zoo.build("custom-mixtral-3d")
+        stds = {n: float(p.detach().std()) for n, p in m.named_parameters() if p.dim() >= 2}
+        bad = {n: s for n, s in stds.items() if not 0.015 < s < 0.025}
+        print("BAD", bad if bad else "none")
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": root, "AUTOPAR_QUIET": "1"}, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "BAD none" in r.stdout, r.stdout[-3000:]
