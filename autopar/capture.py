@@ -272,7 +272,7 @@ def _rebind(module, real: dict) -> None:
         return
     for table in (space, *[v for v in list(space.values()) if type(v) is dict]):
         for k, v in list(table.items()):
-            if id(v) in real and callable(v):
+            if id(v) in real:
                 table[k] = real[id(v)]
 
 

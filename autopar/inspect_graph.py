@@ -38,7 +38,7 @@ def _cut(build, layers: int):
         built = build()
     cut = _from_config(built, layers)
     if cut is not built and _module_types(cut) != _module_types(built):
-        cut = _restacked(built, layers)
+        cut = _restacked(built, layers, getattr(cut, "config", None))
     return cut.to_empty(device="cpu")
 
 
@@ -46,10 +46,11 @@ def _module_types(model: torch.nn.Module) -> set:
     return {type(m) for m in model.modules()}
 
 
-def _restacked(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+def _restacked(model: torch.nn.Module, layers: int, derived=None) -> torch.nn.Module:
     """``model`` (on the meta device) with ``layers`` layers in its stack of repeated layers:
-    copies of its own in turn (layer ``i`` a copy of layer ``i mod n``), the config's depth and
-    per-layer lists (layer types) set to match."""
+    copies of its own in turn (layer ``i`` a copy of layer ``i mod n``), its config's depth and
+    per-layer lists (layer types) taken from ``derived``, the config ``_from_config`` made for
+    that depth."""
     import copy
 
     from autopar.capture import find_layers
@@ -66,10 +67,10 @@ def _restacked(model: torch.nn.Module, layers: int) -> torch.nn.Module:
     parent, _, child = next(iter(parents)).rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
     cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "num_hidden_layers", None) == n:
+    if derived is not None and getattr(cfg, "num_hidden_layers", None) == n:
         for k, v in list(vars(cfg).items()):
             if isinstance(v, list) and len(v) == n:
-                setattr(cfg, k, [v[i % n] for i in range(layers)])
+                setattr(cfg, k, getattr(derived, k))
         cfg.num_hidden_layers = layers
     return model
 

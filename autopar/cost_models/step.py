@@ -885,12 +885,13 @@ class StageModel:
         if cfg.ep > 1 and moe is not None:
             share = sum(1 for x in self.layers if x.experts) / len(self.layers)  # the layers with experts
             for kind, nbytes, nf, nb, why in ep_layer_collectives(moe, cfg, ctx):
-                if self._ep_group(why).size == 1:  # node-limited routing inside one node: no network part
+                size = self._ep_group(why).size
+                if size == 1:  # node-limited routing inside one node: no network part
                     continue
                 again = 0 if why in (EP_WEIGHTS, EP_WEIGHTS_SHARDS) else n_full  # a full recompute routes the rows again
                 name = {EP_WEIGHTS_SHARDS: "dp_shard / ep", EP_NODES: "ep, one rank a node",
                         EP_IN_NODE: "ep within a node"}.get(why, "ep")
-                out.append({"kind": kind, "group": name, "group_size": self._ep_group(why).size, "bytes": nbytes,
+                out.append({"kind": kind, "group": name, "group_size": size, "bytes": nbytes,
                             "count": round((nf * (n + again) + nb * n) * share * M), "why": why})
         shard_group = "dp_shard" if cfg.cp == 1 else "dp_shard x cp"
         if cfg.shard > 1:
