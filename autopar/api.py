@@ -833,10 +833,19 @@ def _build_runner(sg, p: Plan, mesh, lay, rules, locals_, model, *, inductor: bo
     buffers = [model.get_buffer(n) for n in sg.buffer_names]
     if lay.once:  # each parameter whole (its TP shard), as the runtime gathers it (zero.py);
         # owned experts holding what the runtime's collectives received: (shard groups, *shard)
+        # and 3-D experts this rank's own, gathered over their shard group: (E / ep, ...)
         owned = {i for idx, _ in lay.owned_experts(sg) for i in idx}
-        locals_ = [torch.empty((lay.ep.shard_size, *x.shape) if i in owned else lay.tp_local_shape(i),
-                               dtype=zero.cast_dtype(x, lay.compute),
-                               device=x.device) for i, x in enumerate(locals_)]
+        stacked = set(lay.owned_stacked(sg))
+
+        def held(i, x):
+            if i in owned:
+                return (lay.ep.shard_size, *x.shape)
+            if i in stacked:
+                return (lay.ep.shard_size * x.shape[0], *x.shape[1:])
+            return lay.tp_local_shape(i)
+
+        locals_ = [torch.empty(held(i, x), dtype=zero.cast_dtype(x, lay.compute), device=x.device)
+                   for i, x in enumerate(locals_)]
     example = [x.detach().requires_grad_(q.requires_grad) for x, q in zip(locals_, params)] + buffers + inputs
     grad_index = grad_inputs(sg, example)
     state = StepState(sg, lay, rules, example, len(output_values(sg)))

@@ -41,7 +41,9 @@ class Once:
     weights (names, the dim FSDP splits them along), sent to their owners in one all-to-all over
     the ep group (``ep_group``) and their gradients back in one; where FSDP spreads them over a
     multiple of the ep ranks, the owners' pieces then gathered over ``ep_shard_group`` (and the
-    gradients reduced over it first)."""
+    gradients reduced over it first). ``stacked``: 3-D expert parameters (experts along dim 0) whose
+    shard is this rank's experts' weights, or a piece of them gathered over ``ep_shard_group``
+    (``ep.assembled_stacked``): no exchange over the ep group."""
 
     compute: torch.dtype | None
     reduce: torch.dtype | None
@@ -49,6 +51,7 @@ class Once:
     experts: tuple = ()
     ep_group: str = ""
     ep_shard_group: str = ""
+    stacked: tuple = ()
 
 
 def plan_once(layout, graphs: list) -> Once | None:
@@ -60,7 +63,8 @@ def plan_once(layout, graphs: list) -> Once | None:
     if not layout.once:
         return None
     experts = {tuple(sg.param_names[i] for i in idx): dim for sg in graphs for idx, dim in layout.owned_experts(sg)}
-    owned = {n for names in experts for n in names}
+    stacked = tuple(dict.fromkeys(sg.param_names[i] for sg in graphs for i in layout.owned_stacked(sg)))
+    owned = {n for names in experts for n in names} | set(stacked)
     out: list[list[str]] = []
     seen: set = set(owned)
     for sg in graphs:
@@ -76,7 +80,8 @@ def plan_once(layout, graphs: list) -> Once | None:
                 out.append([name])
             last = layer
     return Once(layout.compute, layout.reduce, tuple(tuple(b) for b in out), tuple(experts.items()),
-                layout.ep.group_name if experts else "", layout.ep.shard_group if experts else "")
+                layout.ep.group_name if experts or stacked else "", layout.ep.shard_group if experts or stacked else "",
+                stacked)
 
 
 def cast_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -123,8 +128,9 @@ def _tp_local(p: DTensor) -> tuple:
     return tuple(shape)
 
 
-# A bucket of a grouped linear's owned experts (``StepWeights._buckets``).
+# A bucket of a grouped linear's owned experts, and a 3-D expert parameter's (``StepWeights._buckets``).
 EXPERTS = "experts"
+STACKED = "stacked"
 
 
 class StepWeights:
@@ -148,6 +154,7 @@ class StepWeights:
         for names, _ in self.once.experts:
             if names[0] in self.params:
                 out.append((list(names), EXPERTS))
+        out += [([n], STACKED) for n in self.once.stacked if n in self.params]
         for b in self.once.buckets:
             names = [n for n in b if n in self.params]
             for key in dict.fromkeys((_flat_shard(self.params[n]), self.params[n].dtype) for n in names):
@@ -174,6 +181,11 @@ class StepWeights:
                     (p,) = ps
                     whole = [Replicate() if i in _dp_dims(p) else pl for i, pl in enumerate(p.placements)]
                     pending.append((names, how, p.to(dtype).redistribute(p.device_mesh, whole).to_local()))
+                elif how is STACKED:
+                    t = ps[0]._local_tensor.to(dtype)
+                    if self.once.ep_shard_group:
+                        t = funcol.all_gather_single(t, 0, self.once.ep_shard_group)
+                    pending.append((names, how, t))
                 elif how is EXPERTS:
                     stacked = torch.stack([p._local_tensor.to(dtype) for p in ps])
                     t = funcol.all_to_all_single(stacked, None, None, self.once.ep_group)
@@ -187,7 +199,7 @@ class StepWeights:
             while pending:  # each gathered buffer freed once copied out of
                 names, how, t = pending.pop()
                 t = _waited(t)
-                if how is None:
+                if how is None or how is STACKED:
                     self.whole[names[0]] = t
                 elif how is EXPERTS:
                     # (shard groups, E, *shard) -> each expert's pieces, contiguous as the graph takes them
@@ -247,7 +259,10 @@ class StepWeights:
                     pending.append((names, d.redistribute(mesh, p.placements).to_local()))
                     continue
                 parts: list = []
-                if how is EXPERTS:  # (shard groups, E, *shard): summed over the groups, each its own back
+                if how is STACKED:  # this rank's experts' gradients: its piece summed over its shard group
+                    t = (funcol.reduce_scatter_single(grads[0], "sum", 0, self.once.ep_shard_group)
+                         if self.once.ep_shard_group else grads[0])
+                elif how is EXPERTS:  # (shard groups, E, *shard): summed over the groups, each its own back
                     t = torch.stack(grads, 1)
                     t = (funcol.reduce_scatter_single(t.flatten(0, 1), "sum", 0, self.once.ep_shard_group)
                          if self.once.ep_shard_group else t[0])
@@ -282,8 +297,9 @@ class StepWeights:
     def _held_numel(self, names: list[str], how) -> int:
         """Elements a bucket holds whole on this rank (owned experts: what their collectives received)."""
         ps = [self.params[n] for n in names]
-        k = _resolve_process_group(self.once.ep_shard_group).size() if how is EXPERTS and self.once.ep_shard_group else 1
-        return sum(p._local_tensor.numel() * k if how is EXPERTS else math.prod(_tp_local(p)) for p in ps)
+        mine = how in (EXPERTS, STACKED)
+        k = _resolve_process_group(self.once.ep_shard_group).size() if mine and self.once.ep_shard_group else 1
+        return sum(p._local_tensor.numel() * k if mine else math.prod(_tp_local(p)) for p in ps)
 
     def held(self) -> dict:
         """Bytes a step holds outside its graphs: the gathered parameters and their whole
@@ -316,7 +332,12 @@ class StepWeights:
                 return {"graph": graph, "kind": kind, **group, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch."),
                         "pass": what, **common}
 
-            if how is EXPERTS:
+            if how is STACKED:
+                if self.once.ep_shard_group:
+                    mod = (self.once.ep_shard_group, "dp_shard / ep")
+                    out += [rec("before the step", "all_gather_into_tensor", mod, whole * gathered.itemsize, gathered, "ep"),
+                            rec("after the step", "reduce_scatter_tensor", mod, whole * reduced.itemsize, reduced, "ep")]
+            elif how is EXPERTS:
                 ep = (self.once.ep_group, "ep")
                 out += [rec("before the step", "all_to_all_single", ep, local * gathered.itemsize, gathered, "ep"),
                         rec("after the step", "all_to_all_single", ep, local * reduced.itemsize, reduced, "ep")]

@@ -384,7 +384,7 @@ class StageModel:
             ep_bwd += n_bwd * t
             ep_rows += n_fwd * t if why not in (EP_WEIGHTS, EP_WEIGHTS_SHARDS) else 0.0
         p_local = b.params_tp / tp + b.params_rep
-        own = b.expert_params / tp if ep_owned(cfg, b) else 0.0
+        own = b.expert_params / tp if ep_owned(cfg) else 0.0
         ag, rs, busy = self._fsdp_collectives(p_local - own, cfg.reshard)
         # Under SP the sequence region's ops (norms; residual adds are counted too) run on DTensors.
         eager = self._eager_tp_overhead(b.tp_linears, int(np.count_nonzero(~b.costs.tp)))
@@ -1010,18 +1010,16 @@ def ep_group(cfg: Config, gpus_per_node: int) -> Group:
     return group_on_mesh([cfg.pp, cfg.dp // cfg.ep, cfg.ep, cfg.cp * cfg.tp], 2, gpus_per_node)
 
 
-def ep_owned(cfg, b: BlockProfile | None = None) -> bool:
+def ep_owned(cfg) -> bool:
     """Whether each ep rank reads only its own experts' weights: FSDP shards them over the ep
     ranks or a multiple of them (``passes/ep.py``: ``owned_weights``: the ep ranks' shards of its
     experts sent to each owner, then, over ``dp_shard / ep`` ranks, the rest gathered, as
-    torchtitan shards experts over ``dp_shard_mod_ep``). Experts held as 3-D parameters (block
-    ``b``'s) are split along the experts: over exactly the ep ranks each rank's shard is its
-    experts' weights, with no exchange (not once per step: the runtime gathers them whole), and
-    beyond them they are gathered whole. Else every expert is gathered as FSDP gathers.
+    torchtitan shards experts over ``dp_shard_mod_ep``). Experts held as 3-D parameters are split
+    along the experts: over exactly the ep ranks each rank's shard is its experts' weights, with
+    no exchange, and beyond them a piece of them, the rest gathered over the ``dp_shard / ep``
+    ranks holding it (``ep.assembled_stacked``). Else every expert is gathered as FSDP gathers.
     ``cfg``: a ``Config`` or a ``Plan`` (the same fields)."""
-    if not (cfg.ep > 1 and cfg.fsdp and cfg.dp_shard % cfg.ep == 0 and cfg.cp == 1):
-        return False
-    return not (b is not None and b.experts_stacked and (cfg.fsdp_once == "gather" or cfg.dp_shard != cfg.ep))
+    return cfg.ep > 1 and cfg.fsdp and cfg.dp_shard % cfg.ep == 0 and cfg.cp == 1
 
 
 def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list[tuple]:
@@ -1051,7 +1049,7 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
             out += [("all_to_all", n_rows * sent, 1, 0, EP_ROWS), ("all_to_all", n_rows * row, 1, 2, EP_ROWS)]
     if b.experts_biased:  # each row's expert index travels with it (its bias, passes/ep.py)
         out.append(("all_to_all", 8.0 * n_rows, 1, 0, "EP: routed rows' expert indices (biases)"))
-    if ep_owned(cfg, b) and not b.experts_stacked:  # one all-to-all per grouped linear (gate, up, down)
+    if ep_owned(cfg):
         n = sum(1 for l in b.linears if l.group)
         whole = b.expert_params / n / cfg.tp / cfg.ep  # one linear's experts of one rank, whole
         k = cfg.dp_shard // cfg.ep  # the ranks its experts' FSDP shards are spread over beyond ep
@@ -1060,8 +1058,9 @@ def ep_layer_collectives(b: BlockProfile, cfg: Config, ctx: CostContext) -> list
         once = cfg.fsdp_once == "gather"
         per = 1 / (ctx.global_batch // cfg.dp // cfg.mb) if once else 1
         again = 1 if cfg.reshard and not once else 0
-        out += [("all_to_all", whole / k * ctx.act_bytes, n * per, n * again, EP_WEIGHTS),
-                ("all_to_all", whole / k * ctx.reduce_bytes, 0, n * per, EP_WEIGHTS)]
+        if not b.experts_stacked:  # one all-to-all per grouped linear (gate, up, down): 3-D experts need none
+            out += [("all_to_all", whole / k * ctx.act_bytes, n * per, n * again, EP_WEIGHTS),
+                    ("all_to_all", whole / k * ctx.reduce_bytes, 0, n * per, EP_WEIGHTS)]
         if k > 1:
             out += [("all_gather", whole * ctx.act_bytes, n * per, n * again, EP_WEIGHTS_SHARDS),
                     ("reduce_scatter", whole * ctx.reduce_bytes, 0, n * per, EP_WEIGHTS_SHARDS)]

@@ -115,6 +115,19 @@ class Layout:
                 out[idx] = dim
         return list(out.items())
 
+    def owned_stacked(self, sg) -> list[int]:
+        """Step graph ``sg``'s 3-D expert parameters (every expert's weight of a grouped linear,
+        ``ep_pass.stacked_weights``) that each ep rank reads only its own experts of: split along
+        the experts over the ep ranks or a multiple of them (``ep_pass.assembled_stacked``)."""
+        place = {ph: i for i, ph in enumerate(sg.placeholders()[:sg.n_params])}
+        out = []
+        for n in ep_pass.blocks(sg.gm):
+            found = ep_pass.stacked_weights(n)
+            i = place.get(found[0].args[0], -1) if found is not None else -1
+            if i >= 0 and i not in out and self.owned_dim([i]) == 0:
+                out.append(i)
+        return out
+
 
 class Unread:
     """A parameter not read yet: ``replay`` reads it (``read(consumer_node)``) at its first use,
@@ -596,6 +609,11 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
             if got is not None:
                 owned[tuple(call.args[1])] = got
                 skipped |= chain
+                b = expert_blocks[call]
+                if b.routing is not None and b.chunks != ep.shard_size:
+                    raise AutoparError(f"expert parallelism: {call.name}'s 3-D experts, each rank reading its own, "
+                                       f"come after calls of the same block that read every expert's weights")
+                b.chunks = ep.shard_size
         if n in skipped:
             continue
         ws = tuple(n.args[1]) if n in expert_blocks and read_experts is not None else ()
@@ -724,15 +742,18 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         it; None where the weights are not split alike and evenly over the ep ranks (then each is
         gathered whole). ``transposed`` (not None): ``unread`` is one 3-D parameter of every
         expert (``ep_pass.stacked_weights``); its FSDP shard along the experts is this rank's
-        experts' weights, each as it is or transposed, with no exchange (not once per step: the
-        runtime then gathers it whole)."""
+        experts' weights, or, over a multiple of the ep ranks, one piece of them, the rest
+        gathered over its shard group (``ep_pass.assembled_stacked``); once per step the runtime
+        gathers them so (``zero.StepWeights``). Each as it is or transposed."""
         dim = layout.owned_dim([u.index for u in unread])
-        if dim is None or (transposed is not None and (dim != 0 or layout.once or layout.ep.shard_size > 1)):
+        if dim is None or (transposed is not None and dim != 0):
             return None
         tp_pl = layout.tp.get(unread[0].index, Replicate())
         xs = []
         use_layer = consumer.meta.get("custom", {}).get("layer")
         with fx_traceback.annotate({"pass": "ep", "why": ep_pass.WEIGHTS, "use_layer": use_layer}):
+            if layout.once and transposed is not None:  # this rank's experts, as the runtime gathered them (zero.py)
+                return [w.t() if transposed else w for w in unread[0].local.unbind(0)], _expert_placement(tp_pl, transposed)
             if layout.once:  # what the runtime's collectives before the step received (zero.py)
                 got = torch.stack([u.local for u in unread], 1)  # (shard ranks' groups, E, *shard)
                 n = layout.ep.size * layout.ep.shard_size
@@ -747,7 +768,8 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                     x = x.to(layout.compute)
                 xs.append(x)
             if transposed is not None:
-                return [w.t() if transposed else w for w in xs[0].unbind(0)], _expert_placement(tp_pl, transposed)
+                mine = ep_pass.assembled_stacked(xs[0], layout.ep)
+                return [w.t() if transposed else w for w in mine.unbind(0)], _expert_placement(tp_pl, transposed)
             return ep_pass.owned_weights(xs, layout.ep, dim), tp_pl
 
     def joint(primals, tangents):

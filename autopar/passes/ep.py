@@ -7,14 +7,16 @@ block sharing the rows' end offsets per expert. The distribute pass replays each
 
 - **dispatch** (before the block's first grouped linears, once per input they share): each
   rank's rows are already in expert order, so the rows for rank ``j``'s experts are one
-  contiguous run. The per-expert counts are exchanged (an all-to-all of ``E`` integers), then the
+  contiguous run (3-D experts split over a multiple of the ep ranks: rank ``j`` owns a piece of
+  each of several runs, and the rows are put in owner order first: ``_routing``). The per-expert counts are exchanged (an all-to-all of ``E`` integers), then the
   rows themselves (``all_to_all_single`` with the counts' sums as split sizes: data-dependent
   sizes, traced as unbacked symbolic sizes), and the rows received from the ``ep`` sources are
   reordered by local expert (a stable sort, so each expert's rows keep source order).
 - the **experts** run on the received rows only. Where FSDP shards the experts' weights over
   exactly the ep ranks, each rank receives its own experts' whole weights (``owned_weights``: one
   all-to-all of shards per expert linear; experts held in one 3-D parameter, split along the
-  experts, need none: each rank's shard *is* its experts', ``stacked_weights``); where FSDP
+  experts, need none: each rank's shard *is* its experts', or a piece of them the rank's shard
+  group gathers, ``stacked_weights``, ``assembled_stacked``); where FSDP
   shards them over a multiple of the ep ranks, the rest of each owned expert's shards are then
   gathered over the ``dp_shard / ep`` ranks holding them (torchtitan's ``dp_shard_mod_ep``) and runs
   ``grouped_mm`` over them alone; otherwise with
@@ -45,6 +47,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 import torch.fx.traceback as fx_traceback
 
+from autopar.errors import AutoparError
 from autopar.fxops import TYPICAL
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 
@@ -76,6 +79,10 @@ class _Block:
 
     dispatched_inputs: set = field(default_factory=set)
     combined: set = field(default_factory=set)
+    # How many pieces each rank's experts come in, one on each rank of its ``shard_group`` (3-D
+    # experts FSDP-split along the experts over a multiple of the ep ranks: ``_routing``); 1: its
+    # experts are one run of the expert order.
+    chunks: int = 1
     routing: tuple | None = None  # ``_routing``'s, made at the block's first call
     offsets: dict = field(default_factory=dict)  # owned weights or not -> the grouped_mm's end offsets
     sent: dict = field(default_factory=dict)  # input node -> its rows on the experts' ranks
@@ -159,12 +166,27 @@ def _reaches(src: torch.fx.Node, targets: set, pos: dict) -> bool:
     return False
 
 
-def _routing(offs: torch.Tensor, n_experts: int, rows: int, g: EPGroup):
+def _routing(offs: torch.Tensor, n_experts: int, rows: int, g: EPGroup, chunks: int = 1):
     """The block's dispatch: (rows this rank sends to each rank, rows it receives from each, the
-    order that sorts the received rows by local expert, its inverse, and the received rows per
-    local expert)."""
+    order that sorts the received rows by local expert, its inverse, the received rows per local
+    expert, and the order that puts this rank's rows in their owners' order and its inverse, or
+    None where the expert order is that already).
+
+    Rank ``j`` of the ep group owns ``E / ep`` experts: the ``j``-th run of them, or, with
+    ``chunks`` > 1 (3-D experts split along the experts over ``chunks x ep`` ranks of dp_shard,
+    ``assembled_stacked``), the ``j``-th piece of each of ``chunks`` runs: what its shard group's
+    ranks hold. The rows, sorted by expert, then go to their owners in owner order (a stable
+    sort: each expert's rows keep their order)."""
     n, el = g.size, n_experts // g.size
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    regroup = None
+    if chunks > 1:
+        # owner order: expert (chunk c, owner j, k) at position (j, c, k)
+        owner_order = torch.arange(n_experts, device=offs.device).view(chunks, n, el // chunks).transpose(0, 1).reshape(-1)
+        place = owner_order.argsort()
+        row_expert = torch.repeat_interleave(torch.arange(n_experts, device=offs.device), counts, output_size=rows)
+        regroup = place[row_expert].argsort(stable=True)
+        counts = counts[owner_order]
     # recv[j, e]: rows rank j sends to this rank's local expert e.
     recv = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, g.group_name)).view(n, el)
     with fx_traceback.annotate({TYPICAL: rows // n}):  # what a liveness walk takes: routing spread evenly
@@ -175,7 +197,8 @@ def _routing(offs: torch.Tensor, n_experts: int, rows: int, g: EPGroup):
     expert = torch.repeat_interleave(torch.arange(el, device=offs.device).repeat(n), recv.reshape(-1),
                                      output_size=sum(recv_sizes))
     order = expert.argsort(stable=True)
-    return send_sizes, recv_sizes, order, order.argsort(), recv.sum(0)
+    return (send_sizes, recv_sizes, order, order.argsort(), recv.sum(0), regroup,
+            None if regroup is None else regroup.argsort())
 
 
 def _offsets_of_all(mine: torch.Tensor, g: EPGroup) -> torch.Tensor:
@@ -211,13 +234,26 @@ def assembled(got: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
     return list(got.view(n, el, *piece).movedim(0, 1 + dim).reshape(el, *whole).unbind(0))
 
 
+def assembled_stacked(local: torch.Tensor, g: EPGroup) -> torch.Tensor:
+    """This rank's experts of a 3-D parameter (experts along dim 0) from its FSDP shard: over
+    exactly the ep ranks the shard itself; over ``shard_size`` times as many, the pieces the ranks
+    of its shard group hold, gathered (chunk ``c`` of ``E / (ep x shard_size)`` experts lives on
+    dp_shard rank ``c``: this rank's group holds chunks ``q x ep + j``, which ``_routing`` with
+    ``chunks`` gives rank ``j``). Backward: the gradients reduce-scattered over that group."""
+    if g.shard_size == 1:
+        return local
+    return funcol.all_gather_single_autograd(local, 0, g.shard_group)
+
+
 def received_index(idx: torch.Tensor, src: torch.fx.Node, b: _Block, g: EPGroup) -> torch.Tensor:
     """Integer values of this rank's rows (``idx``, in its row order) as the rows its experts
     received carry them: sent along the rows' own all-to-all routes, then in local expert order
     (once per block and index node ``src``)."""
     if src not in b.sent:
         send, recv, order = b.routing[:3]
+        regroup = b.routing[5]
         with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
+            idx = idx if regroup is None else idx[regroup]
             b.sent[src] = funcol.wait_tensor(funcol.all_to_all_single(idx, recv, send, g.group_name))[order]
     return b.sent[src]
 
@@ -228,13 +264,17 @@ def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup, owned: list | 
     x, ws, offs = args
     if b.routing is None:
         with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
-            b.routing = _routing(offs, len(n.args[1]), x.shape[0], g)
-    send, recv, order, inverse, mine = b.routing
+            b.routing = _routing(offs, len(n.args[1]), x.shape[0], g, b.chunks)
+    send, recv, order, inverse, mine, regroup, ungroup = b.routing
+    if b.chunks > 1 and owned is None:
+        raise AutoparError(f"expert parallelism: {n.name} reads every expert's weights in a block whose 3-D "
+                           f"experts each rank reads only its own of; turn off FSDP or make dp_shard equal ep")
     if n in b.dispatched_inputs:
         src = n.args[0]
         if src not in b.sent:
             with fx_traceback.annotate({"pass": "ep", "why": DISPATCH}):
-                b.sent[src] = funcol.all_to_all_single_autograd(x, recv, send, g.group_name)[order]
+                rows = x if regroup is None else x[regroup]
+                b.sent[src] = funcol.all_to_all_single_autograd(rows, recv, send, g.group_name)[order]
         x = b.sent[src]
     key = owned is not None
     if key not in b.offsets:
@@ -243,4 +283,5 @@ def grouped(n: torch.fx.Node, args: tuple, b: _Block, g: EPGroup, owned: list | 
     if n in b.combined:
         with fx_traceback.annotate({"pass": "ep", "why": COMBINE}):
             y = funcol.all_to_all_single_autograd(y[inverse], send, recv, g.group_name)
+            y = y if ungroup is None else y[ungroup]
     return y
