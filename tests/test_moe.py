@@ -381,7 +381,7 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp, ep):
 
 
 def test_every_expert_all_to_all_is_recorded_under_ep():
-    """Experts in 3-D parameters, ep 2 over FSDP 4 (each rank gathers every expert's weights):
+    """Experts in 3-D parameters, ep 2 over FSDP 4 (each rank gathers its own experts' other piece):
     the backward's all-to-alls of the rows, which carry no annotation of their own, are recorded
     (``pm.info.collectives``, what ``explain`` lists) as expert parallelism's, by their group."""
     import json

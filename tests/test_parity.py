@@ -205,6 +205,13 @@ CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mi
          # group; per layer in the graph, and once per step
          case("hf-mixtral", "ep2_fsdp4", {"ep": 2, "dp": 4, "fsdp": 1}),
          case("hf-qwen3-moe", "ep2_fsdp4_once", {"ep": 2, "dp": 4, "fsdp": 1, "mb": 1, "once": "gather"}),
+         # Qwen3-MoE as transformers 5 holds it (3-D experts): split along the experts over exactly
+         # the ep ranks (each rank's shard its own experts'), and over twice as many (each rank
+         # gathers the other piece of its own experts, the rows sent in owner order), per layer in
+         # the graph and once per step
+         case("hf:qwen3_moe", "ep4_fsdp4", EP4_FSDP4),
+         case("hf:qwen3_moe", "ep2_fsdp4", {"ep": 2, "dp": 4, "fsdp": 1}),
+         case("hf:qwen3_moe", "ep2_fsdp4_once", {"ep": 2, "dp": 4, "fsdp": 1, "mb": 1, "once": "gather"}),
          case("hf-mixtral", "pp2_ep2_ddp2", {"pp": 2, "ep": 2, "dp": 2, "fsdp": 0, "tp": 1, "schedule": "1f1b", "mb": 1}),
          case("hf-deepseek-v2-4layers", "pp2_ep2_zbv",
               {"pp": 2, "ep": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "zbv", "v": 2, "mb": 1}),
@@ -217,6 +224,7 @@ CI_EP = [case("hf-mixtral", "ep4_fsdp4", EP4_FSDP4, user_loop=True), case("hf-mi
 CI_EP_TP = [case("hf-mixtral", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
             case("hf-deepseek-v2", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1}),
             case("hf-gpt-oss", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
+            case("hf:qwen3_moe", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
             case("custom-qwen2-moe-biased", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1}),
             # experts looped over by the block's own routing (Ernie 4.5: a bias-corrected top-k, frozen)
             case("hf:ernie4_5_moe-3layers", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1})]
@@ -298,13 +306,14 @@ def test_ranks_with_the_same_graphs_load_the_passes_one_ran(launch, name):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group(GROUP["ep"])
-@pytest.mark.parametrize("name", ["hf-mixtral/ep2_fsdp4", "hf-qwen3-moe/ep2_fsdp4_once"])
+@pytest.mark.parametrize("name", ["hf-mixtral/ep2_fsdp4", "hf-qwen3-moe/ep2_fsdp4_once", "hf:qwen3_moe/ep2_fsdp4",
+                                  "hf:qwen3_moe/ep2_fsdp4_once"])
 def test_experts_sharded_beyond_the_ep_ranks_are_gathered_by_their_owners_only(name):
     """FSDP over 4 ranks, ep 2: each owner receives its ep group's shards of its experts (an
-    all-to-all over 2 ranks) and gathers the rest over the 2 ranks at its place in the other ep
-    group (in the graph, or once before the step with the gradients reduced over them after it),
-    not every expert over all 4 (the parity of these cases is the test that the pieces land in
-    place)."""
+    all-to-all over 2 ranks; 3-D experts' shards are whole experts, already on the rank's shard
+    group) and gathers the rest over the 2 ranks at its place in the other ep group (in the
+    graph, or once before the step with the gradients reduced over them after it), not every
+    expert over all 4 (the parity of these cases is the test that the pieces land in place)."""
     moved = {(k, g, p) for k, g, p, _ in _launch("ep")[name][0]["collectives"]}
     assert ("all_gather_into_tensor", 2, "ep") in moved, moved
     if name.endswith("once"):
