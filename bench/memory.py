@@ -28,7 +28,8 @@ same width fed 224-pixel images, the input path of issue 28; ``memory_bart.*`` w
 bart``: an encoder-decoder, both stacks' layers gathered where used on both sides; ``memory_gpt-oss.*``
 with ``--model gpt-oss``: experts held as 3-D parameters, FSDP2 running transformers' own loop
 over the experts hit, autopar its routed form; ``--only ep2_fsdp2``: autopar under expert
-parallelism, each rank running its own experts, against the same FSDP2).
+parallelism, each rank running its own experts, against the same FSDP2; ``ep2_fsdp4``: the same
+over 4 processes, the experts split over twice the ep ranks).
 Targets (issue 22): autopar / FSDP2 <= 1.0 at both depths, growth with depth no steeper.
 """
 
@@ -57,6 +58,8 @@ CONFIGS = {
     # mixtures of experts only (``--model gpt-oss --only ep2_fsdp2``): each rank runs its own
     # experts (its FSDP shard of the 3-D weights) on the rows routed to them
     "ep2_fsdp2": (2, {"dp": 2, "fsdp": 1, "reshard": 1, "tp": 1, "pp": 1, "ac": "none", "ep": 2}),
+    # ... split over twice the ep ranks: each rank gathers the other piece of its own experts
+    "ep2_fsdp4": (4, {"dp": 4, "fsdp": 1, "reshard": 1, "tp": 1, "pp": 1, "ac": "none", "ep": 2}),
 }
 BY_DEFAULT = ("fsdp", "tp2_fsdp2")
 
