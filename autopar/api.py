@@ -891,6 +891,8 @@ def _collective_records(compiled, mesh) -> list[dict]:
                                  r["dim"], "ep" if r["dim"].startswith("ep") else "?")
                 if r["kind"] == "mirror_swap":
                     r["pass"] = "cp"  # the query/output swap
+                elif r["kind"].startswith("all_to_all"):
+                    r["pass"] = "ep"  # the rows' all-to-alls, also where the ep group is all of dp_shard
             recs.append(r)
     return recs
 
