@@ -53,3 +53,23 @@ def test_deepseek_v3_is_priced_as_it_ran():
     assert (cfg.ep_overlap, cfg.ep_nodes, cfg.ep_fp8) == (True, 4, True)
     assert spec["fp8"] and spec["hardware"] == "h800" and spec["model"][0] == "hf"
     assert row["published"] == pytest.approx(14.8e12 / (2.664e6 * 3600))
+
+
+def test_deepseek_v3_in_fp8_plans_expert_parallelism(tmp_path):
+    """DeepSeek-V3 on 2,048 H100 at its batch (15,360 x 4,096) with its GEMMs in FP8, as it was
+    trained: the planner picks expert parallelism (EP 8 under PP 16 with ZeRO-1 today), and its
+    plan is priced no slower than DeepSeek's own layout (PP 16, EP 64, ZeRO-1) priced the same
+    way (autopar's executor: no DualPipe overlap, no node-limited dispatch)."""
+    from autopar import api
+
+    run = next(r for r in DATA if r["model"]["name"] == "DeepSeek-V3")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(run["model"]["hf_config"]))
+    kw = dict(hardware="h100", global_batch=15360, precision="float8")
+    prof = api.profile_model(str(path), seq_len=4096, precision="float8")
+    p = api.plan(str(path), 2048, top_k=1, profiled=prof, **kw)
+    assert p.ep > 1 and p.tp <= 2, p.as_config_string()
+    own = min(api.estimate_plan(str(path), 2048, f"pp=16,ep=64,dp=128,dp_shard=64,fsdp=1,once=gather,tp=1,{s}",
+                                profiled=prof, **kw)[1].step_time_s
+              for s in ("schedule=1f1b", "schedule=zbv,v=2"))
+    assert p.predicted["step_time_s"] <= own
