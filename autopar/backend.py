@@ -150,6 +150,7 @@ def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:
     import torch.fx.traceback as fx_traceback
     from torch._inductor import compile_fx as cfx
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake = _fake_mode(vals)
@@ -164,7 +165,10 @@ def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:
     # (its argument is the graph in torch 2.13, Inductor's config module before)
     takes_gm = next(iter(inspect.signature(cfx.create_compiler_config_extra).parameters)) == "gm"
     extra = cfx.create_compiler_config_extra(gm if takes_gm else torch._inductor.config)
-    with torch._guards.tracing(ctx):
+    # Inductor's passes read the fake mode from its virtualized handler (``V.fake_mode``), as
+    # ``torch.compile`` sets it: a graph drawing random numbers (an ``exponential_``, a ``rand``)
+    # has its seeds made there.
+    with torch._guards.tracing(ctx), V.set_fake_mode(fake):
         return cfx.compile_fx_forward(gm, vals, num_orig_model_outputs=n_out, num_example_inputs=len(vals),
                                       compiler_config_extra=extra, is_inference=True)
 

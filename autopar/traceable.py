@@ -848,6 +848,24 @@ def _real(w: torch.Tensor) -> bool:
     return w.device.type != "meta" and not isinstance(w, (FakeTensor, DTensor))
 
 
+@contextlib.contextmanager
+def _same_draws(device: torch.device):
+    """A function that rewinds the random number generators of the CPU and of ``device`` to where
+    they stood on entry (restored on exit too): a block that samples its routing in training
+    (PhiMoE's sparsemixer draws Gumbel noise) draws the same numbers in both runs of a check."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        cpu = torch.get_rng_state()
+        gpu = torch.cuda.get_rng_state(device) if devices else None
+
+        def rewind() -> None:
+            torch.set_rng_state(cpu)
+            if gpu is not None:
+                torch.cuda.set_rng_state(gpu, device)
+
+        yield rewind
+
+
 def _tokens_for(w: torch.Tensor, hidden: int, tokens: int) -> torch.Tensor:
     gen = torch.Generator(device="cpu").manual_seed(0)
     return torch.randn(1, tokens, hidden, generator=gen, dtype=w.dtype).to(w.device)
@@ -878,8 +896,10 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
         if not _real(w):  # nothing real to run
             continue
         x = _tokens_for(w, w.shape[1], tokens)
-        with torch.no_grad():
-            why = _differs(m(x), form(x))
+        with torch.no_grad(), _same_draws(x.device) as rewind:
+            own = m(x)
+            rewind()
+            why = _differs(own, form(x))
         if why:
             raise AutoparError(f"the mixture-of-experts block {name} ({type(m).__name__}) does not compute what "
                                f"autopar's {what} computes ({why}){because} so it is not trained rather than "
@@ -903,11 +923,12 @@ def check_routed_experts(model: nn.Module, *, tokens: int = 16) -> list[RoutedEx
                                "a different model")
         x = _tokens_for(next(m.parameters()), hidden, tokens)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _same_draws(x.device) as rewind:
                 with contextlib.ExitStack() as own_form:
                     for e in sts:
                         own_form.enter_context(_forward_as(e.module, _own_forward(e.module).__get__(e.module)))
                     own = parent(x)
+                rewind()
                 with contextlib.ExitStack() as form:
                     for e in sts:
                         form.enter_context(_forward_as(e.module, lambda *a, e=e, **k: stacked_experts_forward(e, *a, **k)))

@@ -843,3 +843,33 @@ def test_grouped_kernel_reads_a_3d_expert_weight_in_place():
     assert torch.equal(stacked(own), torch.stack(own))
     backwards = list(w.unbind(0))[::-1]  # not in storage order: copied, in the given order
     assert torch.equal(stacked(backwards), torch.stack(backwards))
+
+
+def test_routing_sampled_in_training_is_checked_on_the_same_draws_and_compiles():
+    """PhiMoE samples its routing while training (sparsemixer: Gumbel noise from ``exponential_``
+    and ``rand_like``), so two runs of its block differ: the check of autopar's form of its experts
+    runs both on the same random draws, and the step, random draws in its graph, compiles with
+    Inductor (whose seed pass reads the fake mode ``torch.compile`` would have set) and trains."""
+    import autopar
+
+    model = zoo.build("hf:phimoe")
+    with torch.no_grad():  # every expert scored alike: each token's expert drawn at random
+        for layer in model.model.layers:
+            layer.mlp.router.weight.zero_()
+    block = model.model.layers[0].mlp
+    x = torch.randn(2, 8, model.config.hidden_size)
+    with torch.no_grad():
+        assert not torch.equal(block(x), block(x))  # the routing is sampled: a check must not compare two draws
+    for _ in range(3):
+        traceable.check_routed_experts(model)
+    xs, tgt = zoo.example("hf:phimoe", 1)
+    pm = autopar.compile(model, 1, example_inputs=xs, example_target=tgt, global_batch=tgt.shape[0])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses = []
+    for seed in (2, 3):
+        xs, tgt = zoo.example("hf:phimoe", seed)
+        losses.append(float(pm.step(xs, target=tgt)))
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pm.parameters())
+        opt.step()
+        opt.zero_grad()
+    assert all(4.0 < v < 7.0 for v in losses), losses  # about ln(256) = 5.5 at initialisation
