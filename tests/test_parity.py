@@ -35,7 +35,7 @@ MODELS = ["llama-tiny", "gpt-tiny", "hf-llama", "hf-qwen2", "hf-mistral", "hf-ge
           "hf-falcon", "hf-falcon-new", "hf-bigcode", "hf-deepseek-v2", "hf-roberta", "hf-modernbert", "hf-bart",
           "hf-mt5", "hf-deit", "hf-swin", "diffusers-dit", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-phi",
           "hf-stablelm", "hf-starcoder2", "hf-cohere", "hf-granite", "hf-gpt-oss", "custom-mixtral-3d",
-          "hf:llama4_text", "hf:granitemoe"]  # by transformers' model type (tests/zoo.py)
+          "hf:llama4_text", "hf:granitemoe", "hf:glm4_moe", "hf:olmoe"]  # by transformers' model type (tests/zoo.py)
 PLANS = {
     "fsdp4": {"dp": 4, "fsdp": 1, "pp": 1},
     "hsdp2x2": {"dp": 4, "fsdp": 1, "dp_shard": 2, "pp": 1},
@@ -227,7 +227,10 @@ CI_EP_TP = [case("hf-mixtral", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsd
             case("hf:qwen3_moe", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
             case("custom-qwen2-moe-biased", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1}),
             # experts looped over by the block's own routing (Ernie 4.5: a bias-corrected top-k, frozen)
-            case("hf:ernie4_5_moe-3layers", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1})]
+            case("hf:ernie4_5_moe-3layers", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
+            # GLM-4.5's sigmoid scores, bias-corrected top-k within the best expert groups, a shared
+            # expert beside them, 3-D experts
+            case("hf:glm4_moe", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1})]
 LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), "models_hf": (4, CI_PLANS_HF),
             "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
             "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP),
