@@ -228,9 +228,10 @@ CI_EP_TP = [case("hf-mixtral", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsd
             case("custom-qwen2-moe-biased", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1}),
             # experts looped over by the block's own routing (Ernie 4.5: a bias-corrected top-k, frozen)
             case("hf:ernie4_5_moe-3layers", "ep2_tp2_fsdp2", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}),
-            # GLM-4.5's sigmoid scores, bias-corrected top-k within the best expert groups, a shared
-            # expert beside them, 3-D experts
-            case("hf:glm4_moe", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1})]
+            # DeepSeek-V3 as transformers writes it: latent attention, sigmoid scores with a
+            # bias-corrected top-k within the best expert groups, a shared expert, 3-D experts, a
+            # dense first layer (GLM-4.5's MoE routes the same way: its TP 2 + SP case above)
+            case("hf:deepseek_v3-3layers", "ep2_tp2_fsdp2_sp", {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1, "sp": 1})]
 LAUNCHES = {"models_a": (2, CI_MODELS[0::2]), "models_b": (2, CI_MODELS[1::2]), "models_hf": (4, CI_PLANS_HF),
             "models_pp": (2, CI_PP2_HF), "plans": (4, CI_PLANS), "pp4": (4, CI_PP4), "pp2": (2, CI_PP2),
             "mixed": (4, CI_MIXED), "cp": (4, CI_CP), "ep": (4, CI_EP),

@@ -167,6 +167,12 @@ def _hf(kind: str, **overrides) -> nn.Module:
         cls = tf.AutoModelForCausalLM._model_mapping[type(cfg)]
         if getattr(cfg, "rotary_dim", None):  # a rotary width of its own (CodeGen): half of each head's
             cfg.rotary_dim = 64 // 8 // 2
+        if getattr(cfg, "kv_lora_rank", None):  # latent attention (DeepSeek-V3's): its own per-head widths at
+            # these sizes, a key and value per query head, the 4 experts in 2 groups (the best one kept)
+            for k, v in dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                             head_dim=4, num_key_value_heads=8, n_group=2, topk_group=1, first_k_dense_replace=1).items():
+                if hasattr(cfg, k):
+                    setattr(cfg, k, v)
         for k, v in vars(cfg).items():  # every dropout off, as in the families above
             if k.endswith(("dropout", "pdrop", "dropout_prob", "layerdrop")) and isinstance(v, float):
                 setattr(cfg, k, 0.0)
