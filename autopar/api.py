@@ -884,15 +884,15 @@ def _collective_records(compiled, mesh) -> list[dict]:
     for g, gm in (("forward", compiled.fw_graph), ("backward", compiled.bw_graph)):
         for n in collectives(gm):
             r = dict(collective_record(n), graph=g, dim=dim_of(n.args[-1]) or "?")
-            if r["pass"] == "?":
+            if r["pass"] == "?" and r["kind"] == "mirror_swap":
+                r["pass"] = "cp"  # the query/output swap
+            elif r["pass"] == "?" and r["kind"].startswith("all_to_all"):
+                r["pass"] = "ep"  # the rows' all-to-alls, also where the ep group is all of dp_shard
+            elif r["pass"] == "?":
                 # An ep group ("ep4") or its shard group ("ep2_shard") is no mesh dim: named by its split.
                 r["pass"] = {"tp": "tp", "dp_shard": "fsdp", "dp_replicate": "ddp", "cp": "cp",
                              "dp_shard_cp": "ddp" if r["kind"].startswith("all_reduce") else "fsdp"}.get(
                                  r["dim"], "ep" if r["dim"].startswith("ep") else "?")
-                if r["kind"] == "mirror_swap":
-                    r["pass"] = "cp"  # the query/output swap
-                elif r["kind"].startswith("all_to_all"):
-                    r["pass"] = "ep"  # the rows' all-to-alls, also where the ep group is all of dp_shard
             recs.append(r)
     return recs
 

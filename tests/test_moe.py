@@ -380,17 +380,19 @@ def test_ep_collectives_are_the_priced_ones(reshard, tp, ep):
     assert executed("all_gather_into_tensor", layer_bytes) == gathers == L * (1 + reshard)
 
 
-def test_every_expert_all_to_all_is_recorded_under_ep():
-    """Experts in 3-D parameters, ep 2 over FSDP 4 (each rank gathers its own experts' other piece):
-    the backward's all-to-alls of the rows, which carry no annotation of their own, are recorded
-    (``pm.info.collectives``, what ``explain`` lists) as expert parallelism's, by their group."""
+@pytest.mark.parametrize("ep", [2, 4])
+def test_every_expert_all_to_all_is_recorded_under_ep(ep):
+    """Experts in 3-D parameters, ep 2 over FSDP 4 (each rank gathers its own experts' other piece)
+    and ep 4 over FSDP 4 (the ep group is all of dp_shard, FSDP's group): the backward's all-to-alls
+    of the rows, which carry no annotation of their own, are recorded (``pm.info.collectives``,
+    what ``explain`` lists) as expert parallelism's, not by their group's mesh dim."""
     import json
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    pins = "ep=2,dp=4,tp=1,sp=0,fsdp=1,mb=2,ac=none,reshard=1,once=microbatch"
+    pins = f"ep={ep},dp=4,tp=1,sp=0,fsdp=1,mb=2,ac=none,reshard=1,once=microbatch"
     r = subprocess.run([sys.executable, os.path.join(here, "scripts", "ep_collectives.py"), pins, "custom-mixtral-3d"],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
     assert r.returncode == 0, r.stderr[-3000:]
