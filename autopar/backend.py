@@ -13,6 +13,8 @@ only in code generation.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import sys
@@ -74,11 +76,12 @@ _WARM: dict = {}
 
 def warm_cpu_compiler() -> None:
     """Start Inductor's one-time probe of the CPU's vector instructions in a thread, so that it
-    runs beside the trace and the passes instead of before the first kernel. Inductor's first
-    CPU compile in a process builds and loads a test library per instruction set (AVX-512 VNNI,
-    AVX-512, AVX2, ...: 9-11 s on a 2-core machine with an empty cache, 1.5 s with a warm one),
-    mostly in g++ and in child processes, which leave this process's interpreter free. The probe's
-    result is cached by Inductor; ``compile_graph`` waits for the thread before compiling."""
+    runs beside the trace, the passes and Inductor's own work up to its first CPU kernel instead
+    of before it. Inductor's first CPU compile in a process builds and loads a test library per
+    instruction set (AVX-512 VNNI, AVX-512, AVX2, ...: 9-11 s on a 2-core machine with an empty
+    cache, 1.5 s with a warm one), mostly in g++ and in child processes, which leave this
+    process's interpreter free. The probe's result is cached by Inductor; while ``compile_graph``
+    compiles, Inductor's first ask for it waits for the thread (``_probe_waits``)."""
     import threading
 
     if "thread" in _WARM:
@@ -96,12 +99,33 @@ def warm_cpu_compiler() -> None:
     _WARM["thread"].start()
 
 
-def _warmed() -> None:
-    """Wait for ``warm_cpu_compiler``'s probe (if one started): Inductor's probe is cached without
-    a lock, so a second caller while it runs would probe again."""
+@contextlib.contextmanager
+def _probe_waits():
+    """While it lasts, Inductor's list of the CPU's instruction sets (what every ask for the
+    chosen set reads) first waits for ``warm_cpu_compiler``'s probe: the list is cached without a
+    lock, so an ask while the thread probes would probe again. The trace, Inductor's graph
+    passes and its lowering run before that ask, beside the probe."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
     t = _WARM.get("thread")
-    if t is not None:
-        t.join()
+    if t is None or not t.is_alive():
+        yield
+        return
+    listed = cpu_vec_isa.valid_vec_isa_list
+
+    def waiting():
+        if threading.current_thread() is not t:
+            t.join()
+        return listed()
+
+    waiting.cache_clear = listed.cache_clear
+    cpu_vec_isa.valid_vec_isa_list = waiting
+    try:
+        yield
+    finally:
+        cpu_vec_isa.valid_vec_isa_list = listed
 
 
 def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
@@ -125,11 +149,114 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     # the tuning block it writes for the whole graph does not allocate the workspace such a kernel
     # inside a subgraph needs (torch 2.11 on an H200: "Failed to run autotuning code block: name
     # 'workspace_0' is not defined", RMSNorm's backward at 4 x 2048 tokens).
-    _warmed()
+    vals = _example(gm)
+    with (torch.no_grad(), torch._inductor.config.patch(_inductor_config(gm)), batched_cpp_kernels(),
+          _probe_waits()):
+        key = _stored_key(gm, vals)
+        compiled = _load_stored(key, vals) if key else None
+        if compiled is None:
+            compiled = _inductor(gm, vals)
+            if key:
+                _store(key, compiled)
+        return compiled
+
+
+def _inductor_config(gm: torch.fx.GraphModule) -> dict:
+    """Inductor's settings for ``gm`` that differ from its defaults (see ``compile_graph``)."""
     calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
-    inductor_cfg = {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
-    with torch.no_grad(), torch._inductor.config.patch(inductor_cfg), batched_cpp_kernels():
-        return _inductor(gm, _example(gm))
+    return {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
+
+
+# Compiled graphs found again by autopar's own digest of the graph, before Inductor's trace and
+# passes (``_stored_key``): a file per digest in Inductor's cache directory names the entry of
+# Inductor's FX graph cache that the first compile of that graph made. A rank that loads what
+# another rank compiled, and the next run, skip the decompositions' trace, Inductor's joint-graph
+# passes and its hashing of the traced graph (a second or more a graph), and load the entry.
+_STORE = "autopar-compiled"
+
+
+def _stored_key(gm: torch.fx.GraphModule, vals: list) -> str | None:
+    """The digest of what decides Inductor's output for ``gm``: the code of the graph and of its
+    layer subgraphs, each input's shape, strides, offset, dtype and device, Inductor's
+    configuration (with the patches in force) and torch's version. None (no store) where an
+    input is not a tensor of static shape, or Inductor's cache is off."""
+    import hashlib
+
+    from torch._inductor import config
+
+    if (config.force_disable_caches or not config.fx_graph_cache or config.cudagraph_policy is not None
+            or os.environ.get("AUTOPAR_COMPILED_STORE") == "0"):
+        return None
+    h = hashlib.sha256()
+    for v in vals:
+        if not isinstance(v, torch.Tensor) or not all(isinstance(x, int) for x in (*v.shape, *v.stride())):
+            return None
+        h.update(repr((tuple(v.shape), v.stride(), int(v.storage_offset()), v.dtype, v.device, v.layout,
+                       v.requires_grad)).encode())
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            h.update(m.code.encode())
+    h.update(config.get_hash())
+    h.update(repr((torch.__version__, _system(any(v.device.type == "cpu" for v in vals)))).encode())
+    return h.hexdigest()
+
+
+def _system(cpu: bool) -> tuple:
+    """What of the machine Inductor's code depends on: its accelerator and toolchain versions
+    (what Inductor's own cache key holds) and, for CPU kernels, the CPU's vector instructions
+    (the set ATen picked, and the variable that picks Inductor's; not Inductor's probe, which
+    may still run in the background)."""
+    from torch._inductor.codecache import CacheBase
+
+    cpu_isa = (torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY")) if cpu else None
+    return json.dumps(CacheBase.get_system(), sort_keys=True), cpu_isa
+
+
+def _store_path(key: str) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), _STORE, key[:2], key)
+
+
+def _store(key: str, compiled) -> None:
+    """Note which FX graph cache entry ``compiled`` is (nothing where Inductor did not cache it)."""
+    from torch._inductor.codecache import write_atomic
+
+    fx_key = getattr(compiled, "_fx_graph_cache_key", None)
+    if fx_key:
+        write_atomic(_store_path(key), fx_key, make_dirs=True)
+
+
+def _load_stored(key: str, vals: list) -> Callable | None:
+    """The compiled graph of digest ``key`` from Inductor's FX graph cache, made ready as
+    ``compile_fx_inner`` makes a cache hit ready; None where there is none (or it is gone)."""
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    from torch._inductor.utils import BoxedBool
+    from torch._inductor.virtualized import V
+
+    try:
+        with open(_store_path(key)) as f:
+            fx_key = f.read().strip()
+    except OSError:
+        return None
+    fake = _fake_mode(vals)
+    try:
+        with torch._guards.tracing(torch._guards.TracingContext(fake)), V.set_fake_mode(fake):
+            compiled, _ = FxGraphCache.load_with_key(fx_key, [], vals, True, None, is_backward=False,
+                                                     constants=CompiledFxGraphConstants())
+            if compiled is None:
+                return None
+            compiled._fx_graph_cache_key = fx_key
+            compiled.post_compile(vals, CompiledFxGraphConstants(),
+                                  {"cudagraphs": BoxedBool(torch._inductor.config.triton.cudagraphs),
+                                   "is_backward": False, "is_inference": True, "boxed_forward_device_index": None,
+                                   "static_input_idxs": ()})
+    except Exception as e:  # noqa: BLE001 - the entry does not load here: compile the graph
+        log.debug("backend: the stored compiled graph %s did not load (%s: %s)", key[:12], type(e).__name__, e)
+        return None
+    log.debug("backend: loaded the compiled graph %s (FX graph cache entry %s)", key[:12], fx_key)
+    return compiled
 
 
 def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:

@@ -30,6 +30,12 @@ def test_layers_are_calls_of_one_subgraph_and_train_as_the_model_does():
     assert f"bw: {n_layers - 1} layer segments as calls of 1 compiled subgraphs" in notes, notes
     fw = pm._step_runner.compiled.fw_graph  # the flat graph: what memory.py walks
     assert not any(n.target is torch.ops.higher_order.invoke_subgraph for n in fw.graph.nodes)
+    # No weight read transposed and transposed back (autograd's matrix-product gradients): the
+    # distribute pass reads the weight itself, two nodes a product fewer for every later pass.
+    t = torch.ops.aten.t.default
+    for gm in (fw, pm._step_runner.compiled.bw_graph):
+        twice = [n.name for n in gm.graph.nodes if n.target is t and getattr(n.args[0], "target", None) is t]
+        assert not twice, twice
     assert {n.meta["segment"] for n in fw.graph.nodes if "segment" in n.meta} == set(range(n_layers))
 
     loss, grads = _step(pm, ids, tgt)

@@ -817,6 +817,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     # what is left (a write through a view) needs functionalisation: a second trace of the whole
     # step, where an Interpreter keeps each node's meta (pass, source, layer) on the new nodes.
     out_of_place(traced)
+    drop_transposes_back(traced)
     if not mutates(traced):
         return traced
 
@@ -826,6 +827,48 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     with fx_traceback.preserve_node_meta():
         return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
                        _allow_non_fake_inputs=True)(example, tangents)
+
+
+def drop_transposes_back(gm: torch.fx.GraphModule) -> int:
+    """Read ``x`` where the graph reads ``x`` transposed and transposed back (``t(t(x))``, the
+    same two dimensions swapped twice): autograd makes one for every matrix product's input
+    gradient (the product's weight, already transposed, transposed again) and for every weight
+    gradient. The same view of the same storage, without two nodes per product that every later
+    pass, and Inductor, would walk. Returns how many were dropped."""
+    aten = torch.ops.aten
+
+    def swap(n):
+        if n.op != "call_function":
+            return None
+        if n.target is aten.t.default and isinstance(n.args[0], torch.fx.Node):
+            return n.args[0], None
+        if n.target is aten.transpose.int and isinstance(n.args[0], torch.fx.Node):
+            v = n.args[0].meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return n.args[0], frozenset(d % max(v.dim(), 1) for d in n.args[1:3])
+        return None
+
+    dropped = 0
+    for n in list(gm.graph.nodes):
+        outer = swap(n)
+        inner = swap(outer[0]) if outer else None
+        if inner is None or outer[1] != inner[1] or not n.users:
+            continue
+        src, mid = inner[0], outer[0]
+        a, b = src.meta.get("val"), n.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        layout = [(tuple(v.shape), v.stride(), v.storage_offset()) for v in (a, b)]
+        if not all(isinstance(x, int) for x in pytree.tree_leaves(layout)) or layout[0] != layout[1]:
+            continue  # (sized by the data: left as it is)
+        n.replace_all_uses_with(src)
+        gm.graph.erase_node(n)
+        if not mid.users:
+            gm.graph.erase_node(mid)
+        dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
 
 
 def grad_inputs(sg, example: list) -> list[int]:
