@@ -219,16 +219,10 @@ def wrap_layers(gm: fx.GraphModule, label: dict, dep: set) -> tuple | None:
     return _rebuild(gm, wrapped, outs, views)
 
 
-# Operations Inductor may lower to a view of their input or drop as no-ops (its ``remove_noop_ops``
-# turns ``clone(x)`` into ``x``, ``x ** 1`` into ``x``, a one-piece ``cat`` into its piece).
-_PASS_THROUGH = {"clone", "alias", "copy", "_to_copy", "convert_element_type", "device_put", "contiguous", "cat",
-                 "constant_pad_nd", "repeat", "pow", "round", "ceil", "floor", "trunc"}
-
-
 def _source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """What ``n``'s value may be a view of once Inductor lowers it, and the nodes between (``n``
     first): its input for a view (``t``, ``detach``, an item of ``split`` with the ``split``) or
-    a pass-through operation with one input; None for anything else."""
+    for an operation Inductor drops as a no-op (``_dropped``); None for anything else."""
     if n.op != "call_function":
         return None
     if n.target is operator.getitem:
@@ -240,22 +234,31 @@ def _source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if not isinstance(n.target, torch._ops.OpOverload):
         return None
     ins = n.all_input_nodes
-    if len(ins) != 1 or not (is_view(n.target) or n.target.overloadpacket.__name__ in _PASS_THROUGH):
+    if is_view(n.target):
+        return (ins[0], [n]) if len(ins) == 1 else None
+    src = _dropped(n)
+    return (src, [n]) if src is not None else None
+
+
+def _dropped(n: fx.Node) -> fx.Node | None:
+    """The input Inductor reads in place of ``n`` where its ``remove_noop_ops`` drops ``n``, by
+    its own rule (``clone(x)``, ``x ** 1``, a one-piece ``cat``, a cast to the same dtype: each
+    only where the value is laid out as the input's); None where ``n`` writes a buffer of its
+    own (a cast to another dtype, a copy of an expanded view into whole rows: grouped-query
+    attention's repeated keys, ``x ** 3``), which the call hands out as it is. Handing out the
+    input instead would replay that work outside the call, or return (and hold) the wider value
+    of a cast, e.g. the fp32 rotary query saved in bf16."""
+    from torch._inductor.fx_passes.post_grad import noop_registry, same_meta
+    from torch._inductor.fx_utils import get_fake_args_kwargs
+
+    if n.target not in noop_registry:
         return None
-    if n.target.overloadpacket.__name__ in _CASTS and _dtype(n) != _dtype(ins[0]):
-        # A cast to another dtype writes a buffer of its own: handing out its input instead
-        # would return (and hold, until the outer graph casts it) the wider value, e.g. the
-        # fp32 rotary query saved for the backward in bf16.
+    cond, src_index = noop_registry[n.target]
+    src = n.args[src_index] if isinstance(src_index, int) else src_index(n.args)
+    if not isinstance(src, fx.Node) or not same_meta(n, src):
         return None
-    return ins[0], [n]
-
-
-_CASTS = {"_to_copy", "convert_element_type"}
-
-
-def _dtype(n: fx.Node):
-    v = n.meta.get("val")
-    return v.dtype if isinstance(v, torch.Tensor) else None
+    ok, args, kwargs = get_fake_args_kwargs(n)
+    return src if ok and cond(*args, **kwargs) else None
 
 
 def _fresh_outputs(seg: list[fx.Node], outs: set[int]) -> tuple[list[int], list[list[int]]]:
