@@ -1,5 +1,6 @@
 """Step time of autopar.compile against torchtitan's own ``parallelize_llama`` (TP, SP, FSDP,
-AC and per-block ``torch.compile``, as torchtitan's trainer applies them) on torchtitan's own
+AC and per-block ``torch.compile``, as torchtitan's trainer applies them; under PP its
+``pipeline_llm`` with the 1F1B schedule and the same microbatches) on torchtitan's own
 Llama 3 model, measured side by side in one run on CPU processes over gloo. autopar is handed the
 same unparallelised model (a ``ModuleDict`` of blocks, fused QKV, complex RoPE: nothing of it is
 autopar's). Steps alternate between the two (A B A B ...) after warm-up, so machine noise hits
@@ -42,6 +43,7 @@ CONFIGS = [
     {"name": "tp4_sp", "pins": {"tp": 4, "sp": 1, "pp": 1, "ac": "none"}},
     {"name": "fsdp2_tp2_sp", "pins": {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1, "ac": "none"}},
     {"name": "fsdp4_ac_full", "pins": {"dp": 4, "fsdp": 1, "pp": 1, "tp": 1, "ac": "full"}},
+    {"name": "pp2_fsdp2", "pins": {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1, "ac": "none", "mb": 2, "schedule": "1f1b"}},
 ]
 BATCH = 8
 
@@ -66,10 +68,15 @@ def _measure(cfgs, steps, compile):
         ids, tgt = _data()
         # torchtitan's side is set up first: the other order makes its per-block compile of TP
         # blocks fail in Inductor (``device_mesh._get_submesh is not an OpOverload``) on torch 2.13
-        titan = tt.parallelize(copy.deepcopy(base), pins, world, compile)
+        pp = pins.get("pp", 1)
+        if pp > 1:  # torchtitan's pipeline: its stages' parameters, its loss on the last stage's ranks
+            titan = tt.pipeline(copy.deepcopy(base), pins, world, compile, BATCH, default_loss)
+        else:
+            titan = tt.parallelize(copy.deepcopy(base), pins, world, compile)
         pm = autopar.compile(copy.deepcopy(base), world, example_inputs=(ids,), plan=pins, compile=compile)
         fns = {"autopar": lambda: pm.step(ids, target=tgt),
-               "torchtitan": lambda: tt.train_step(titan, pm.plan, ids, tgt, pm._dp_rank, default_loss)}
+               "torchtitan": (lambda: titan(ids, tgt)) if pp > 1 else
+               (lambda: tt.train_step(titan, pm.plan, ids, tgt, pm._dp_rank, default_loss))}
         times, first = {"autopar": [], "torchtitan": []}, {}
         for i in range(2 + steps):
             for name in ("autopar", "torchtitan"):
@@ -85,8 +92,10 @@ def _measure(cfgs, steps, compile):
                     for p in titan.parameters():
                         p.grad = None
         # torchtitan's loss is this rank's share of the batch: the mean over ranks is the global mean
+        # (under PP over the last stage's ranks, the others add 0)
         titan_loss = torch.tensor(first["torchtitan"])
         dist.all_reduce(titan_loss)
+        titan_loss *= pp
         for p in list(pm.parameters()) + list(titan.parameters()):
             p.grad = None
         mem = allocator_peaks(fns["autopar"])[1]
@@ -114,6 +123,8 @@ def _first_step(side: str, cfg: dict, compile: bool) -> float:
     t0 = time.perf_counter()
     if side == "autopar":
         autopar.compile(base, world, example_inputs=(ids,), plan=pins, compile=compile).step(ids, target=tgt)
+    elif pins.get("pp", 1) > 1:
+        tt.pipeline(base, pins, world, compile, BATCH, default_loss)(ids, tgt)
     else:
         plan = types.SimpleNamespace(dp=world // pins.get("tp", 1), tp=pins.get("tp", 1))
         tt.train_step(tt.parallelize(base, pins, world, compile), plan, ids, tgt, dist.get_rank() // plan.tp,

@@ -63,6 +63,15 @@ def _parallelism(tp: int, sp: bool, dp_shard: int):
 
 def build_llama3(tp: int = 1, sp: bool = False, dp_shard: int = 1, seed: int = 0) -> torch.nn.Module:
     """torchtitan's Llama3Model at llama-small's shapes, initialised by its own ``init_states``."""
+    cfg = llama3_config(tp, sp, dp_shard)
+    torch.manual_seed(seed)
+    model = cfg.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    return model
+
+
+def llama3_config(tp: int = 1, sp: bool = False, dp_shard: int = 1):
+    """torchtitan's configuration of that model (what its pipeline split reads)."""
     _cpu_shims()
     import torchtitan.models.llama3 as L
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -78,10 +87,7 @@ def build_llama3(tp: int = 1, sp: bool = False, dp_shard: int = 1, seed: int = 0
         norm=L.RMSNorm.Config(normalized_shape=DIM, param_init=L._NORM_INIT),
         lm_head=L.Linear.Config(in_features=DIM, out_features=VOCAB, param_init=L._output_linear_init(DIM)))
     cfg.update_from_config(config=types.SimpleNamespace(parallelism=_parallelism(tp, sp, dp_shard)))
-    torch.manual_seed(seed)
-    model = cfg.build()
-    model.init_states(buffer_device=torch.device("cpu"))
-    return model
+    return cfg
 
 
 def parallelize(model: torch.nn.Module, pins: dict, world: int, compile: bool) -> torch.nn.Module:
@@ -111,6 +117,56 @@ def parallelize(model: torch.nn.Module, pins: dict, world: int, compile: bool) -
         if isinstance(mod, FSDPModule):
             mod.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def pipeline(model: torch.nn.Module, pins: dict, world: int, compile: bool, batch: int, loss_fn):
+    """torchtitan's ``pipeline_llm`` for a PP x FSDP (or PP x DDP) plan's pins, as its trainer calls
+    it: the model cut into ``pins["pp"]`` stages, each parallelised (and compiled block by block) by
+    ``parallelize_llama``, under its 1F1B schedule with the plan's microbatch size. Returns a
+    function ``(ids, target) -> loss`` that runs one step of the whole batch on this rank (the
+    loss: the mean of its microbatches' on a last-stage rank, 0 on the others); its
+    ``parameters()`` are this rank's stages'."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
+
+    pp = pins["pp"]
+    dp = world // pp
+    dp_shard = dp if pins.get("fsdp") else 1
+    local = batch // dp
+    mb = pins.get("mb", max(local // pp, 1))  # the microbatch's sequences, as autopar's pin says
+    dims = ParallelDims(dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=1, tp=1, pp=pp, ep=1,
+                        world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, pipeline_parallel_degree=pp,
+                                    pipeline_parallel_schedule="1F1B", pipeline_parallel_microbatch_size=mb,
+                                    spmd_backend="partial_dtensor")
+    schedule, parts, first, last = pipeline_llm(
+        model, parallel_dims=dims,
+        training=TrainingConfig(local_batch_size=local, mixed_precision_param="float32", mixed_precision_reduce="float32"),
+        parallelism=parallelism, compile_config=CompileConfig(enable=compile, components=["model"]), ac_config=None,
+        dump_folder="", device=torch.device("cpu"), model_config=llama3_config(1, False, dp_shard),
+        parallelize_fn=parallelize_llama, loss_fn=lambda pred, labels: (loss_fn(pred, labels), None))
+    for part in parts:
+        for mod in part.modules():
+            if isinstance(mod, FSDPModule):
+                mod.set_force_sum_reduction_for_comms(True)
+    dp_rank = dist.get_rank() % dp  # the mesh is (pp, dp): a stage's data-parallel ranks are consecutive
+
+    def step(ids, target):
+        sl = slice(dp_rank * local, (dp_rank + 1) * local)
+        losses = []
+        if first:
+            schedule.step(ids[sl], target=target[sl] if last else None, losses=losses)
+        else:
+            schedule.step(target=target[sl] if last else None, losses=losses)
+        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+    step.parameters = lambda: [p for part in parts for p in part.parameters()]
+    return step
 
 
 def train_step(model, plan, ids, target, dp_rank: int, loss_fn) -> torch.Tensor:
