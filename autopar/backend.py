@@ -154,6 +154,7 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
           _probe_waits()):
         key = _stored_key(gm, vals)
         compiled = _load_stored(key, vals) if key else None
+        _LOADED[0] = compiled is not None
         if compiled is None:
             compiled = _inductor(gm, vals)
             if key:
@@ -173,6 +174,7 @@ def _inductor_config(gm: torch.fx.GraphModule) -> dict:
 # another rank compiled, and the next run, skip the decompositions' trace, Inductor's joint-graph
 # passes and its hashing of the traced graph (a second or more a graph), and load the entry.
 _STORE = "autopar-compiled"
+_LOADED = [False]  # whether compile_graph's last graph was loaded from the store (for _Progress)
 
 
 def _stored_key(gm: torch.fx.GraphModule, vals: list) -> str | None:
@@ -346,7 +348,8 @@ class _Progress:
                 n.meta.pop("segment_out", None)
             out = compile_graph(flat, self.inductor)
         if self.show:
-            print(f"autopar: {what} graph compiled in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            how = "loaded (compiled before)" if _LOADED[0] else "compiled"
+            print(f"autopar: {what} graph {how} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         return out
 
 

@@ -161,10 +161,14 @@ def test_compile_tells_which_graph_it_compiles_and_how_long_it_took(model_and_pl
     and ``pm.explain()`` reports the compile's time and Inductor's share of it."""
     import re
 
+    from autopar import backend
+
     monkeypatch.delenv("AUTOPAR_QUIET", raising=False)
     m, _, path = model_and_plan
     ids, tgt = batch(1)
-    pm = autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path)
+    with monkeypatch.context() as mp:  # compiled here, not loaded as an earlier test compiled it
+        mp.setattr(backend, "_load_stored", lambda key, vals: None)
+        pm = autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path)
     err = capsys.readouterr().err
     assert re.search(r"autopar: Inductor compiles the forward graph \(1/2, \d+ ops\)", err), err
     assert re.search(r"autopar: backward graph compiled in [\d.]+ s", err), err
@@ -172,6 +176,10 @@ def test_compile_tells_which_graph_it_compiles_and_how_long_it_took(model_and_pl
     total, inductor = float(line.split()[2]), float(re.search(r"Inductor ([\d.]+) s", line).group(1))
     assert 0 < inductor <= total, line
     assert {"distribute", "ac", "partition", "regions", "inductor"} <= set(pm.info.timings), pm.info.timings
+    # The same graphs again: loaded by autopar's digest of them, and said so.
+    autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path)
+    err = capsys.readouterr().err
+    assert re.search(r"autopar: backward graph loaded \(compiled before\) in [\d.]+ s", err), err
 
 
 def test_disable_passes_names_what_can_be_turned_off():
