@@ -317,6 +317,25 @@ def _world(world_size_or_mesh: Any) -> int:
     raise AutoparError(f"expected a GPU count or a DeviceMesh, got {type(world_size_or_mesh).__name__}")
 
 
+@contextlib.contextmanager
+def fewer_collections():
+    """Python's cyclic garbage collector run less often while inside: tracing, the passes and
+    Inductor make hundreds of thousands of objects (graph nodes, fake tensors, symbolic
+    expressions) that live until the compile ends, and each full collection walks all of them
+    and torch's own (HF Llama, 32 layers, one process: 2.1 s of a 17 s compile). Collections
+    still run, every 50,000 allocations instead of 700 (the cycles the passes leave behind cost
+    80 MiB more at the peak there); the thresholds are restored on exit."""
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(max(before[0], 50_000), max(before[1], 50), max(before[2], 50))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+@fewer_collections()
 def plan(
     model: Any, world_size_or_mesh: Any, *, example_inputs: tuple | None = None,
     example_target: torch.Tensor | None = None,
@@ -329,15 +348,6 @@ def plan(
     ``example_inputs`` (and ``example_target`` for a loss of one's own on inputs other than token
     ids), as ``compile`` takes them; without them, a preset or config is planned on token ids.
     ``ep_imbalance``: under expert parallelism, the busiest rank's routed rows over the mean."""
-    with fewer_collections():
-        return _plan(model, world_size_or_mesh, example_inputs=example_inputs, example_target=example_target,
-                     hardware=hardware, global_batch=global_batch, pin=pin, memory_limit_gb=memory_limit_gb,
-                     precision=precision, seq_len=seq_len, top_k=top_k, loss_fn=loss_fn, progress=progress,
-                     profiled=profiled, ep_imbalance=ep_imbalance)
-
-
-def _plan(model, world_size_or_mesh, *, example_inputs, example_target, hardware, global_batch, pin, memory_limit_gb,
-          precision, seq_len, top_k, loss_fn, progress, profiled, ep_imbalance) -> Plan:
     world = _world(world_size_or_mesh)
     prof = profiled or profile_model(model, seq_len=seq_len, example_inputs=example_inputs,
                                      example_target=example_target, precision=precision, loss_fn=loss_fn)
@@ -761,24 +771,6 @@ def ep_shard_mesh(mesh, p: Plan):
     ep`` of them, ``ep`` apart; ``p.ep`` divides ``p.dp_shard``): where FSDP spreads an expert's
     shards beyond its ep group, the ones its owner gathers the rest from. A 1-D mesh."""
     return mesh["dp_shard"]._unflatten(0, (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep_in_shard"))["dp_shard_mod_ep"]
-
-
-@contextlib.contextmanager
-def fewer_collections():
-    """Python's cyclic garbage collector run less often while inside: tracing, the passes and
-    Inductor make hundreds of thousands of objects (graph nodes, fake tensors, symbolic
-    expressions) that live until the compile ends, and each full collection walks all of them
-    and torch's own (HF Llama, 32 layers, one process: 2.1 s of a 17 s compile). Collections
-    still run, every 50,000 allocations instead of 700 (the cycles the passes leave behind cost
-    80 MiB more at the peak there); the thresholds are restored on exit."""
-    import gc
-
-    before = gc.get_threshold()
-    gc.set_threshold(max(before[0], 50_000), max(before[1], 50), max(before[2], 50))
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
 
 
 @contextlib.contextmanager

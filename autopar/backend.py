@@ -180,7 +180,8 @@ _LOADED = [False]  # whether compile_graph's last graph was loaded from the stor
 def _stored_key(gm: torch.fx.GraphModule, vals: list) -> str | None:
     """The digest of what decides Inductor's output for ``gm``: the code of the graph and of its
     layer subgraphs, each input's shape, strides, offset, dtype and device, Inductor's
-    configuration (with the patches in force) and torch's version. None (no store) where an
+    configuration (with the patches in force), torch's version and the machine (``_system``).
+    None (no store) where an
     input is not a tensor of static shape, or Inductor's cache is off."""
     import hashlib
 

@@ -210,3 +210,22 @@ def test_pass_runner_checks_what_each_pass_returns_and_names_the_failing_one():
         run_passes(gm, ctx, [same, Pass("late", StepGraphs, StepGraphs, lambda g, p, c: g)])
     skipped = PassContext(None, None, disabled={"same"})
     assert run_passes(gm, skipped, [same]) is gm and skipped.notes == {"same": ["disabled by the user"]}
+
+
+def test_compile_runs_the_collector_less_often_and_restores_it(model_and_plan, monkeypatch):
+    """While autopar compiles, Python's cyclic collector runs every 50,000 allocations or more
+    (``api.fewer_collections``); the caller's thresholds are back afterwards."""
+    import gc
+
+    from autopar import backend
+
+    m, _, path = model_and_plan
+    ids, _ = batch(1)
+    seen = []
+    real = backend.compile_graph
+    monkeypatch.setattr(backend, "compile_graph", lambda gm, inductor: seen.append(gm.graph and gc.get_threshold())
+                        or real(gm, inductor))
+    before = gc.get_threshold()
+    autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path)
+    assert seen and all(t[0] >= 50_000 for t in seen), seen
+    assert gc.get_threshold() == before

@@ -17,6 +17,14 @@ def _key(gm) -> str:
         return backend._stored_key(gm, backend._example(gm))
 
 
+def _new_width(start: int) -> int:
+    """A width whose graph no earlier run stored (the tests' Inductor cache outlives a run)."""
+    w = start
+    while os.path.exists(backend._store_path(_key(_graph(w)[0]))):
+        w += 1
+    return w
+
+
 def _graph(width: int):
     def step(w, h):
         return [torch.mm(h, w).tanh().sum(0), w.t() * 2]
@@ -27,7 +35,8 @@ def _graph(width: int):
 
 def test_a_compiled_graph_is_loaded_again_and_computes_the_same(monkeypatch):
     # A width of its own: no earlier run's entry answers for it.
-    gm, args = _graph(16 + os.getpid() % 97)
+    width = _new_width(16 + os.getpid() % 97)
+    gm, args = _graph(width)
     key = _key(gm)
     want = [t.clone() for t in backend.compile_graph(gm, inductor=True)(list(args))]
     assert os.path.isfile(backend._store_path(key)), "the compile noted its cache entry"
@@ -41,7 +50,7 @@ def test_a_compiled_graph_is_loaded_again_and_computes_the_same(monkeypatch):
         assert torch.equal(g, w)
 
     # Another shape, or another Inductor setting, is another graph: never the stored one.
-    other, _ = _graph(16 + os.getpid() % 97 + 1)
+    other, _ = _graph(_new_width(width + 1))
     assert _key(other) != key
     with torch._inductor.config.patch({"cpp.simdlen": 8}):
         assert _key(gm) != key
@@ -52,7 +61,7 @@ def test_a_compiled_graph_is_loaded_again_and_computes_the_same(monkeypatch):
 def test_a_store_entry_whose_compiled_graph_is_gone_compiles_it(monkeypatch):
     """The store only names an entry of Inductor's cache: where that entry was removed, the graph
     is compiled (and noted again), never anything else loaded."""
-    gm, args = _graph(8 + os.getpid() % 89)
+    gm, args = _graph(_new_width(8 + os.getpid() % 89))
     want = [t.clone() for t in backend.compile_graph(gm, inductor=True)(list(args))]
     key = _key(gm)
     with open(backend._store_path(key)) as f:

@@ -829,12 +829,12 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                        _allow_non_fake_inputs=True)(example, tangents)
 
 
-def drop_transposes_back(gm: torch.fx.GraphModule) -> int:
+def drop_transposes_back(gm: torch.fx.GraphModule) -> None:
     """Read ``x`` where the graph reads ``x`` transposed and transposed back (``t(t(x))``, the
     same two dimensions swapped twice): autograd makes one for every matrix product's input
     gradient (the product's weight, already transposed, transposed again) and for every weight
     gradient. The same view of the same storage, without two nodes per product that every later
-    pass, and Inductor, would walk. Returns how many were dropped."""
+    pass, and Inductor, would walk."""
     aten = torch.ops.aten
 
     def swap(n):
@@ -848,7 +848,7 @@ def drop_transposes_back(gm: torch.fx.GraphModule) -> int:
                 return n.args[0], frozenset(d % max(v.dim(), 1) for d in n.args[1:3])
         return None
 
-    dropped = 0
+    dropped = False
     for n in list(gm.graph.nodes):
         outer = swap(n)
         inner = swap(outer[0]) if outer else None
@@ -865,10 +865,9 @@ def drop_transposes_back(gm: torch.fx.GraphModule) -> int:
         gm.graph.erase_node(n)
         if not mid.users:
             gm.graph.erase_node(mid)
-        dropped += 1
+        dropped = True
     if dropped:
         gm.recompile()
-    return dropped
 
 
 def grad_inputs(sg, example: list) -> list[int]:
