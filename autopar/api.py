@@ -1078,9 +1078,9 @@ def _compile(model, mesh, *, example_inputs, example_target, loss_fn, plan, hard
         raise AutoparError(f"a world of {world} needs torch.distributed initialised (torchrun, or autopar.runtime.init_distributed())")
     example_inputs = check_example_inputs(example_inputs, example_target)
     if compile and device == "cpu" and "inductor" not in disabled:
-        from autopar.backend import warm_cpu_compiler
+        from autopar import cpu_isa
 
-        warm_cpu_compiler()  # Inductor's CPU probe runs beside the trace and the passes
+        cpu_isa.warm()  # Inductor's CPU probe runs beside the trace and the passes
     traceable.check_routed_experts(model)  # before the fixed-shape experts form trains anything
     if device == "cuda":
         # Traced where it runs: the device arguments the model's code records (an ``arange`` on

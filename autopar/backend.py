@@ -13,7 +13,6 @@ only in code generation.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 # Importing overlap registers autopar::copy_out, which the compiled graphs call.
 import autopar.passes.overlap  # noqa: F401
+from autopar import cpu_isa
 from autopar.cpp_kernels import batched_cpp_kernels
 from autopar.passes import StepGraphs
 
@@ -71,63 +71,6 @@ def _fake_mode(vals: list):
     return detect_fake_mode(vals)
 
 
-_WARM: dict = {}
-
-
-def warm_cpu_compiler() -> None:
-    """Start Inductor's one-time probe of the CPU's vector instructions in a thread, so that it
-    runs beside the trace, the passes and Inductor's own work up to its first CPU kernel instead
-    of before it. Inductor's first CPU compile in a process builds and loads a test library per
-    instruction set (AVX-512 VNNI, AVX-512, AVX2, ...: 9-11 s on a 2-core machine with an empty
-    cache, 1.5 s with a warm one), mostly in g++ and in child processes, which leave this
-    process's interpreter free. The probe's result is cached by Inductor; while ``compile_graph``
-    compiles, Inductor's first ask for it waits for the thread (``_probe_waits``)."""
-    import threading
-
-    if "thread" in _WARM:
-        return
-
-    def probe():
-        from torch._inductor import cpu_vec_isa
-
-        try:
-            cpu_vec_isa.pick_vec_isa()
-        except Exception as e:  # noqa: BLE001 - Inductor probes again, and says why, when it compiles
-            log.debug("backend: the vector-instruction probe failed in the background: %s", e)
-
-    _WARM["thread"] = threading.Thread(target=probe, name="autopar-cpu-isa-probe", daemon=True)
-    _WARM["thread"].start()
-
-
-@contextlib.contextmanager
-def _probe_waits():
-    """While it lasts, Inductor's list of the CPU's instruction sets (what every ask for the
-    chosen set reads) first waits for ``warm_cpu_compiler``'s probe: the list is cached without a
-    lock, so an ask while the thread probes would probe again. The trace, Inductor's graph
-    passes and its lowering run before that ask, beside the probe."""
-    import threading
-
-    from torch._inductor import cpu_vec_isa
-
-    t = _WARM.get("thread")
-    if t is None or not t.is_alive():
-        yield
-        return
-    listed = cpu_vec_isa.valid_vec_isa_list
-
-    def waiting():
-        if threading.current_thread() is not t:
-            t.join()
-        return listed()
-
-    waiting.cache_clear = listed.cache_clear
-    cpu_vec_isa.valid_vec_isa_list = waiting
-    try:
-        yield
-    finally:
-        cpu_vec_isa.valid_vec_isa_list = listed
-
-
 def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     """``gm`` compiled (or, without Inductor, run as is) as a *boxed* callable: it takes one list
     of inputs and empties it, so an input whose only reference was that list is freed at its
@@ -151,7 +94,7 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
     # 'workspace_0' is not defined", RMSNorm's backward at 4 x 2048 tokens).
     vals = _example(gm)
     with (torch.no_grad(), torch._inductor.config.patch(_inductor_config(gm)), batched_cpp_kernels(),
-          _probe_waits()):
+          cpu_isa.waits()):
         key = _stored_key(gm, vals)
         compiled = _load_stored(key, vals) if key else None
         _LOADED[0] = compiled is not None
@@ -211,8 +154,8 @@ def _system(cpu: bool) -> tuple:
     may still run in the background)."""
     from torch._inductor.codecache import CacheBase
 
-    cpu_isa = (torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY")) if cpu else None
-    return json.dumps(CacheBase.get_system(), sort_keys=True), cpu_isa
+    isa = (torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY")) if cpu else None
+    return json.dumps(CacheBase.get_system(), sort_keys=True), isa
 
 
 def _store_path(key: str) -> str:
