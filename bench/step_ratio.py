@@ -9,7 +9,8 @@ loss of both sides is compared (same weights, same data). The time to the end of
 (autopar's trace, plan, passes and compile, torchtitan's parallelize and its blocks' compile at
 the first call, then the step) is measured for each side alone, in processes and caches of its
 own: in one process, the side that runs second would find Inductor imported, its CPU probe done
-and kernels built by the first. Also: one process, ``autopar.compile`` against torchtitan's
+and kernels built by the first; ``--first-repeats`` times each, the sides taking turns to go
+first, the median reported (single runs of the same side differ by 10-20% on a 2-core machine). Also: one process, ``autopar.compile`` against torchtitan's
 ``apply_compile`` (each block compiled on its own); and each configuration's
 memory per rank for one autopar step (``memory.allocator_peaks``: the allocator's peak above
 what the process held before the step, without gloo's staging copies, which NCCL does not
@@ -200,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     ap.add_argument("--no-single", action="store_true", help="skip the one-process comparison")
+    ap.add_argument("--first-repeats", type=int, default=3,
+                    help="times to the first step measured per side, turn about (the median is reported)")
     args = ap.parse_args(argv)
     compile = not args.no_compile
     why = tt.available()
@@ -214,9 +217,14 @@ def main(argv=None) -> int:
         _fresh_caches()
         per = [x[0] for x in launch.run(4, "gloo", _measure, [cfg], args.steps, compile, timeout=1200)]
         row = dict(per[0])
-        for side in ("autopar", "torchtitan"):  # each side alone, in fresh processes and caches
-            _fresh_caches()
-            row[f"{side}_first_s"] = max(launch.run(4, "gloo", _first_step, side, cfg, compile, timeout=900))
+        firsts = {"autopar": [], "torchtitan": []}
+        for i in range(args.first_repeats):  # each side alone, in fresh processes and caches, turn about
+            for side in (("autopar", "torchtitan") if i % 2 == 0 else ("torchtitan", "autopar")):
+                _fresh_caches()
+                firsts[side].append(max(launch.run(4, "gloo", _first_step, side, cfg, compile, timeout=900)))
+        for side, ts in firsts.items():
+            row[f"{side}_first_s"] = statistics.median(ts)
+            row[f"{side}_first_runs"] = [round(t, 1) for t in ts]
         row["first_ratio"] = row["autopar_first_s"] / row["torchtitan_first_s"]
         row["autopar_s"] = max(x["autopar_s"] for x in per)
         row["torchtitan_s"] = max(x["torchtitan_s"] for x in per)
@@ -239,7 +247,8 @@ def main(argv=None) -> int:
                        if r["name"] == "single_process"), {})}
     partial = bool(args.only) or args.no_single  # a subset never replaces the full table
     write("step_ratio_partial" if partial else "step_ratio", rows, summary,
-          ["name", "plan", "autopar_s", "torchtitan_s", "ratio", "autopar_first_s", "torchtitan_first_s", "first_ratio", "loss_diff",
+          ["name", "plan", "autopar_s", "torchtitan_s", "ratio", "autopar_first_s", "torchtitan_first_s", "first_ratio",
+           "autopar_first_runs", "torchtitan_first_runs", "loss_diff",
            "measured_step_mib", "predicted_step_mib"],
           "autopar.compile vs torchtitan's own parallelize_llama, step time, CPU gloo")
     return 0
