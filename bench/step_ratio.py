@@ -44,7 +44,12 @@ CONFIGS = [
     {"name": "tp4_sp", "pins": {"tp": 4, "sp": 1, "pp": 1, "ac": "none"}},
     {"name": "fsdp2_tp2_sp", "pins": {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1, "ac": "none"}},
     {"name": "fsdp4_ac_full", "pins": {"dp": 4, "fsdp": 1, "pp": 1, "tp": 1, "ac": "full"}},
-    {"name": "pp2_fsdp2", "pins": {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1, "ac": "none", "mb": 2, "schedule": "1f1b"}},
+    # Under PP torchtitan keeps each stage's parameters gathered from the first microbatch's
+    # forward to the step's end (``reshard_after_forward = not pp_enabled``; torch's pipeline
+    # stage turns resharding after backward and the gradient reduction off but for the last
+    # microbatch): one gather and one reduction a step, autopar's ``once=gather``.
+    {"name": "pp2_fsdp2", "pins": {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1, "ac": "none", "mb": 2, "schedule": "1f1b",
+                                   "once": "gather"}},
 ]
 BATCH = 8
 
@@ -135,9 +140,10 @@ def _first_step(side: str, cfg: dict, compile: bool) -> float:
 
 
 def _predicted_mib(model, plan, ids) -> float:
-    """The planner's per-rank memory for this plan and model, less what is resident before a step
-    (parameters and AdamW state): fp32 gradients (4 of the 16 bytes it counts per parameter),
-    gathered parameters and activations."""
+    """The planner's memory for this plan and model on its fullest rank (each pipeline rank with
+    its own stage's layers), less what is resident before a step (parameters and AdamW state):
+    fp32 gradients (4 of the 16 bytes it counts per parameter), gathered parameters and
+    activations."""
     from autopar import api, search
     from autopar.cost_models.hardware import load
     from autopar.cost_models.step import Config, CostContext, StageModel
@@ -145,13 +151,16 @@ def _predicted_mib(model, plan, ids) -> float:
     prof = api.profile_model(model, example_inputs=(ids[:1],), precision="fp32")
     hw = load({**load("cpu-gloo").to_dict(), "reserve_gb": 0.0})
     ctx = CostContext(prof.profile, hw, plan.global_batch, "fp32")
-    cfg = Config(plan.tp, plan.pp, plan.dp, plan.dp_shard, plan.sp, plan.fsdp, plan.reshard_after_forward,
-                 plan.mb, plan.schedule if plan.pp > 1 else "1f1b", plan.v)
+    cfg = Config(tp=plan.tp, pp=plan.pp, dp=plan.dp, dp_shard=plan.dp_shard, sp=plan.sp, fsdp=plan.fsdp,
+                 reshard=plan.reshard_after_forward, mb=plan.mb, schedule=plan.schedule if plan.pp > 1 else "1f1b",
+                 v=plan.v, fsdp_once=plan.fsdp_once if plan.fsdp else "")
     sm = StageModel(ctx, cfg)
-    ac = search.AC_MODES.index(plan.layers[0].ac)
-    counts = tuple(len(plan.layers) if i == ac else 0 for i in range(3))
-    mem = sm.rank_memory(0, counts)
-    return (mem["parameters+grads+optimizer"] / 4 + mem["unsharded_params"] + mem["activations"]) / 2**20
+    out = 0.0
+    for r in range(plan.pp):
+        counts = tuple(sum(1 for lp in plan.layers if lp.stage == r and lp.ac == a) for a in search.AC_MODES)
+        mem = sm.rank_memory(r, counts)
+        out = max(out, mem["parameters+grads+optimizer"] / 4 + mem["unsharded_params"] + mem["activations"])
+    return out / 2**20
 
 
 def single_process(steps: int) -> dict:
