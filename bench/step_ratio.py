@@ -192,7 +192,7 @@ def single_process(steps: int) -> dict:
             "autopar_s": a, "torchtitan_s": b, "ratio": a / b}
 
 
-def _fresh_caches() -> None:
+def _fresh_caches(probed: bool = False) -> None:
     """One fresh Inductor cache, shared by the ranks launched next: a graph cached by an earlier
     launch names process groups by their number in that launch, which can be another group in
     this one (torchtitan's TP blocks compiled under TP 4 then ran under TP 2 x FSDP 2 and hung). A fresh autopar cache
@@ -202,6 +202,11 @@ def _fresh_caches() -> None:
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")
     os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-cache-")
+    if probed:  # Inductor's own probe builds its test library of every instruction set in the cache
+        import subprocess
+
+        subprocess.run([sys.executable, "-c", "from torch._inductor import cpu_vec_isa; cpu_vec_isa.pick_vec_isa()"],
+                       check=True)
 
 
 def main(argv=None) -> int:
@@ -212,6 +217,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-single", action="store_true", help="skip the one-process comparison")
     ap.add_argument("--first-repeats", type=int, default=3,
                     help="times to the first step measured per side, turn about (the median is reported)")
+    ap.add_argument("--probed", action="store_true",
+                    help="the times to the first step with Inductor's CPU instruction-set test libraries already "
+                         "built in the fresh caches (each side still loads them: Inductor's probe, autopar's): "
+                         "without the one-time builds a GPU run does not make")
     args = ap.parse_args(argv)
     compile = not args.no_compile
     why = tt.available()
@@ -229,7 +238,7 @@ def main(argv=None) -> int:
         firsts = {"autopar": [], "torchtitan": []}
         for i in range(args.first_repeats):  # each side alone, in fresh processes and caches, turn about
             for side in (("autopar", "torchtitan") if i % 2 == 0 else ("torchtitan", "autopar")):
-                _fresh_caches()
+                _fresh_caches(args.probed)
                 firsts[side].append(max(launch.run(4, "gloo", _first_step, side, cfg, compile, timeout=900)))
         for side, ts in firsts.items():
             row[f"{side}_first_s"] = statistics.median(ts)
@@ -254,8 +263,10 @@ def main(argv=None) -> int:
                    f"{max(r['first_ratio'] for r in multi):.3f} (target <= 1.0)",
                **next(({"single-process ratio": f"{r['ratio']:.3f} (target <= 1.05)"} for r in rows
                        if r["name"] == "single_process"), {})}
+    if args.probed:
+        summary["CPU probe"] = "Inductor's instruction-set test libraries built before each first step (--probed)"
     partial = bool(args.only) or args.no_single  # a subset never replaces the full table
-    write("step_ratio_partial" if partial else "step_ratio", rows, summary,
+    write("step_ratio_probed" if args.probed else "step_ratio_partial" if partial else "step_ratio", rows, summary,
           ["name", "plan", "autopar_s", "torchtitan_s", "ratio", "autopar_first_s", "torchtitan_first_s", "first_ratio",
            "autopar_first_runs", "torchtitan_first_runs", "loss_diff",
            "measured_step_mib", "predicted_step_mib"],
