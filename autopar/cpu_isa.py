@@ -105,11 +105,13 @@ def _read(path: str) -> dict | None:
     try:
         with open(path) as f:
             stored = json.load(f)
-        return {"complete": bool(stored["complete"]),
-                "sets": [{"name": str(e["name"]), "valid": bool(e["valid"]), "amx_fp16": bool(e["amx_fp16"])}
-                         for e in stored["sets"]]}
+        answer = {"complete": bool(stored["complete"]),
+                  "sets": [{"name": str(e["name"]), "valid": bool(e["valid"]), "amx_fp16": bool(e["amx_fp16"])}
+                           for e in stored["sets"]]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    # A probe cut short ends at the valid set it stopped at; anything else was not written here.
+    return answer if answer["complete"] or (answer["sets"] and answer["sets"][-1]["valid"]) else None
 
 
 def _seed(cands: list, answer: dict) -> None:

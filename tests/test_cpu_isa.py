@@ -75,3 +75,15 @@ def test_a_capability_variable_gets_every_set_probed_and_picked_as_inductor_does
     assert "best" not in cpu_isa._STATE
     if own.get("avx2"):
         assert str(picked) == "avx2"
+
+
+def test_an_answer_that_does_not_read_as_one_is_probed_again(fresh_cache, monkeypatch):
+    inductors, own = fresh_cache
+    path = cpu_isa._answer_path(cpu_isa._candidates())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for text in ("{", '{"complete": false, "sets": [{"name": "avx2", "valid": false, "amx_fp16": false}]}'):
+        with open(path, "w") as f:
+            f.write(text)
+        _forget(monkeypatch)
+        assert str(_probe_in_background()) == str(inductors)
+        assert cpu_isa._read(path)["sets"][-1]["name"] == str(inductors)
