@@ -97,7 +97,6 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
           cpu_isa.waits()):
         key = _stored_key(gm, vals)
         compiled = _load_stored(key, vals) if key else None
-        _LOADED[0] = compiled is not None
         if compiled is None:
             compiled = _inductor(gm, vals)
             if key:
@@ -117,7 +116,6 @@ def _inductor_config(gm: torch.fx.GraphModule) -> dict:
 # another rank compiled, and the next run, skip the decompositions' trace, Inductor's joint-graph
 # passes and its hashing of the traced graph (a second or more a graph), and load the entry.
 _STORE = "autopar-compiled"
-_LOADED = [False]  # whether compile_graph's last graph was loaded from the store (for _Progress)
 
 
 def _stored_key(gm: torch.fx.GraphModule, vals: list) -> str | None:
@@ -194,6 +192,7 @@ def _load_stored(key: str, vals: list) -> Callable | None:
             if compiled is None:
                 return None
             compiled._fx_graph_cache_key = fx_key
+            compiled.autopar_loaded = True  # for the progress line
             compiled.post_compile(vals, CompiledFxGraphConstants(),
                                   {"cudagraphs": BoxedBool(torch._inductor.config.triton.cudagraphs),
                                    "is_backward": False, "is_inference": True, "boxed_forward_device_index": None,
@@ -292,7 +291,7 @@ class _Progress:
                 n.meta.pop("segment_out", None)
             out = compile_graph(flat, self.inductor)
         if self.show:
-            how = "loaded (compiled before)" if _LOADED[0] else "compiled"
+            how = "loaded (compiled before)" if getattr(out, "autopar_loaded", False) else "compiled"
             print(f"autopar: {what} graph {how} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         return out
 

@@ -9,7 +9,7 @@ one after another, each load in a child Python: 9.4 s on a 2-core machine with a
   trace and the passes (g++ and the loads are child processes).
 - Inductor's pick is the best valid set unless ``ATEN_CPU_CAPABILITY`` or ``cpp.simdlen`` asks
   for another: then the sets are tried best first and the first that builds and loads ends the
-  probe (AMX: its two test builds, not the seven of all four sets). Otherwise every set is tried,
+  probe (AMX here: 4 test libraries built, not the 10 of all four sets). Otherwise every set is tried,
   each in a thread of its own.
 - The answer (which sets were tried, which build and load) is written to Inductor's cache
   directory under a digest of what decides it: the CPU's instruction flags, and for each set the
@@ -83,21 +83,22 @@ def _asked(isa) -> bool:
 def _probe(cands: list, every: bool) -> dict:
     """The answer: each set tried (``every``: all of them, side by side; else best first, up to
     the first valid one) and whether it is valid."""
+    valid: dict = {}
     if every:
-        sets = [threading.Thread(target=_asked, args=(isa,), daemon=True) for isa in cands]
+        sets = [threading.Thread(target=lambda isa=isa: valid.__setitem__(isa, _asked(isa)), daemon=True)
+                for isa in cands]
         for t in sets:
             t.start()
         for t in sets:
             t.join()
-        tried = cands
     else:
-        tried = []
         for isa in cands:
-            tried.append(isa)
-            if _asked(isa):
+            valid[isa] = _asked(isa)
+            if valid[isa]:
                 break
+    tried = [isa for isa in cands if isa in valid]
     return {"complete": len(tried) == len(cands),
-            "sets": [{"name": str(isa), "valid": _asked(isa),
+            "sets": [{"name": str(isa), "valid": valid[isa],
                       "amx_fp16": bool(getattr(isa, "_is_amx_fp16_supported", False))} for isa in tried]}
 
 

@@ -223,8 +223,12 @@ def test_compile_runs_the_collector_less_often_and_restores_it(model_and_plan, m
     ids, _ = batch(1)
     seen = []
     real = backend.compile_graph
-    monkeypatch.setattr(backend, "compile_graph", lambda gm, inductor: seen.append(gm.graph and gc.get_threshold())
-                        or real(gm, inductor))
+
+    def compile_graph(gm, inductor):
+        seen.append(gc.get_threshold())
+        return real(gm, inductor)
+
+    monkeypatch.setattr(backend, "compile_graph", compile_graph)
     before = gc.get_threshold()
     autopar.compile(copy.deepcopy(m), 1, example_inputs=(ids,), plan=path)
     assert seen and all(t[0] >= 50_000 for t in seen), seen
