@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -39,11 +40,13 @@ from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, ZEROS, mutates, out_of_place
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
 from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
 from autopar.passes import ep as ep_pass
+from autopar.passes import stamp
 from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param, replicated
 from autopar.passes.tp import TPRules
 
 _aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -535,13 +538,14 @@ def _picked_tokens(n: torch.fx.Node):
 
 
 def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: ActMesh | None, sp: bool,
-           send_seq: int | None = None, ep: ep_pass.EPGroup | None = None, read_experts=None) -> list:
+           send_seq: int | None = None, ep: ep_pass.EPGroup | None = None, read_experts=None, watch=None) -> list:
     """Run ``gm``'s nodes on ``values`` (DTensors on ``am`` where TP or CP applies),
     redistributing as ``rules`` say; attention and the mean loss over split sequences as ``cp`` does;
     routed experts over the ``ep`` group as ``passes/ep.py`` does (``read_experts``: unread expert
     weights -> this rank's experts' whole weights, or None where they are read one by one).
     The outputs come back whole, or with ``send_seq`` (a pipeline stage's under CP) split along
-    a sequence of that length as ``cp.sent`` sends them."""
+    a sequence of that length as ``cp.sent`` sends them. ``watch(node, value)`` sees each
+    node's value as it is made (``stamp.Recorder``)."""
     env: dict = {}
     gathered: dict = {}
     phs = iter(values)
@@ -687,6 +691,8 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
                 if n in rules.to_residual:
                     out = to_tp(out, act)
         env[n] = out
+        if watch is not None:
+            watch(n, out)
     raise AutoparError("the step graph has no output")
 
 
@@ -772,7 +778,9 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                 return [w.t() if transposed else w for w in mine.unbind(0)], _expert_placement(tp_pl, transposed)
             return ep_pass.owned_weights(xs, layout.ep, dim), tp_pl
 
-    def joint(primals, tangents):
+    def replayed(primals, tangents, gm=sg.gm, watch=None, stamped=frozenset()):
+        """``gm``: the step graph replayed (the reduced one, whose copies ``stamp`` adds, with
+        the parameters ``stamped`` read by none of its nodes); ``watch``: ``replay``'s."""
         with implicit_replication():
             vals = [Unread(functools.partial(read, i, x), i, x) for i, x in enumerate(primals[:P])]
             rest = list(primals[P:])
@@ -793,12 +801,12 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                         if i in inputs and x.is_floating_point() else x for i, x in enumerate(rest, start=P)]
             # Vocabulary-split logits: the cross-entropy (forward and backward) runs on the shards.
             with loss_parallel() if rules is not None and rules.vocab_split else contextlib.nullcontext():
-                outs = replay(sg.gm, vals + rest, rules, am, sp, send_seq, layout.ep,
-                              read_experts if layout.ep is not None and layout.ep.owners_read else None)
+                outs = replay(gm, vals + rest, rules, am, sp, send_seq, layout.ep,
+                              read_experts if layout.ep is not None and layout.ep.owners_read else None, watch)
                 wrt = [primals[i] for i in wrt_index]
                 grads = torch.autograd.grad([outs[i] for i in float_out], wrt, [t / dp for t in tangents],
                                             allow_unused=True)
-        missing = [sg.param_names[i] for i, g in zip(wrt_index, grads) if g is None and i < P]
+        missing = [sg.param_names[i] for i, g in zip(wrt_index, grads) if g is None and i < P and i not in stamped]
         if missing:
             raise AutoparError(
                 f"{len(missing)} parameter(s) need a gradient but do not get one from the loss: "
@@ -810,8 +818,21 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     tangents = [torch.ones(out_shape(outs_meta[i].shape), dtype=outs_meta[i].dtype, device=outs_meta[i].device)
                 for i in float_out]
-    with fx_traceback.preserve_node_meta(), coords.rank_free():
-        traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
+    def joint(primals, tangents):
+        return replayed(primals, tangents)
+
+    def trace(fn):
+        with fx_traceback.preserve_node_meta(), coords.rank_free():
+            return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
+
+    # Runs of identical layers: one replayed, the others stamped from it (``passes/stamp.py``).
+    runs = stamp.find_runs(sg.gm, P) if stamp.enabled() and am is None and layout.ep is None else []
+    traced = _stamped(trace, replayed, sg, runs, len(outs_meta), wrt_index) if runs else None
+    if traced is None or stamp.checking():
+        full = trace(joint)
+        if traced is not None:
+            stamp.same_graphs(traced, full)
+        traced = full
     # The partitioner takes a functional graph. A write into a tensor nothing else aliases (the
     # model's add_ on a fresh arange, an index_put_ into fresh zeros) is rewritten out of place;
     # what is left (a write through a view) needs functionalisation: a second trace of the whole
@@ -827,6 +848,26 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     with fx_traceback.preserve_node_meta():
         return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
                        _allow_non_fake_inputs=True)(example, tangents)
+
+
+def _stamped(trace, replayed, sg, runs: list, n_outs: int, wrt: list[int]) -> torch.fx.GraphModule | None:
+    """The joint graph of the step with only the first two layers of each run replayed, widened
+    to every layer (``stamp.expand``); None where the replay does not show what the copies need."""
+    rec = stamp.Recorder(runs)
+    small = stamp.reduced(sg.gm, runs)
+    skipped = frozenset(p for r in runs for k in r.copies for p in r.params[k])
+
+    def reduced_joint(primals, tangents):
+        return replayed(primals, tangents, gm=small, watch=rec, stamped=skipped)
+
+    traced = trace(reduced_joint)
+    names = {k: [n.name for n in r.nodes[k]] for r in runs for k in r.copies}
+    try:
+        stamp.expand(traced, runs, rec, names, sg.param_names, sg.layers, n_outs, wrt)
+    except stamp.NotStampable as e:
+        log.info("distribute: every layer replayed (%s)", e)
+        return None
+    return traced
 
 
 def drop_transposes_back(gm: torch.fx.GraphModule) -> None:
