@@ -180,6 +180,10 @@ def _hf(kind: str, **overrides) -> nn.Module:
         raise KeyError(kind)
     for k, v in overrides.items():
         setattr(cfg, k, v)
+    types = getattr(cfg, "layer_types", None)
+    if "num_hidden_layers" in overrides and types is not None and len(types) != cfg.num_hidden_layers:
+        # the family's own pattern of layer kinds (local/global attention) over the new depth
+        cfg = type(cfg)(**{**cfg.to_dict(), "layer_types": None})
     # GPT-J, BLOOM, T5, Swin and gpt-oss (its attention sinks) have no SDPA path in transformers; their
     # eager attention is what users run.
     eager = kind in ("hf-gptj", "hf-bloom", "hf-mt5", "hf-swin", "hf-gpt-oss") or not getattr(cls, "_supports_sdpa", True)

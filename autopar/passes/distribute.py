@@ -832,6 +832,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         full = trace(joint)
         if traced is not None:
             stamp.same_graphs(traced, full)
+            full.meta.update(traced.meta)
         traced = full
     # The partitioner takes a functional graph. A write into a tensor nothing else aliases (the
     # model's add_ on a fresh arange, an index_put_ into fresh zeros) is rewritten out of place;
@@ -846,8 +847,10 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
         return torch.fx.Interpreter(traced).run(*primals, *tangents)
 
     with fx_traceback.preserve_node_meta():
-        return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
-                       _allow_non_fake_inputs=True)(example, tangents)
+        functional = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
+                             _allow_non_fake_inputs=True)(example, tangents)
+    functional.meta.update(traced.meta)
+    return functional
 
 
 def _stamped(trace, replayed, sg, runs: list, n_outs: int, wrt: list[int]) -> torch.fx.GraphModule | None:
@@ -867,6 +870,8 @@ def _stamped(trace, replayed, sg, runs: list, n_outs: int, wrt: list[int]) -> to
     except stamp.NotStampable as e:
         log.info("distribute: every layer replayed (%s)", e)
         return None
+    traced.meta["stamped"] = [f"layers {r.copies[0]}-{r.copies[-1]} copied from layer {r.template}'s replay"
+                              for r in runs]
     return traced
 
 
@@ -941,4 +946,7 @@ def distribute(gm: torch.fx.GraphModule, plan, ctx: passes.PassContext) -> torch
     the Layout, the TP rules and the example primals."""
     s = ctx.step
     assert s.graph.gm is gm
-    return build_joint(s.graph, s.layout, s.rules, bool(plan.sp) and plan.tp > 1, s.example)
+    joint = build_joint(s.graph, s.layout, s.rules, bool(plan.sp) and plan.tp > 1, s.example)
+    for line in joint.meta.get("stamped", ()):
+        ctx.note("distribute", line)
+    return joint
