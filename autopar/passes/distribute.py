@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -736,9 +737,10 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
             tp_pl = layout.tp.get(i, Replicate())
             # (``grad_placements`` only where cp needs it: torch before 2.13 has no such argument)
             grad = {"grad_placements": am.placements(tp=tp_pl, cp=Partial())} if am.has("cp") else {}
-            x = DTensor.from_local(x, am.mesh, am.placements(tp=tp_pl), run_check=False,
-                                   shape=torch.Size(layout.shapes[i]),
-                                   stride=torch.empty(layout.shapes[i], device="meta").stride(), **grad)
+            with fx_traceback.annotate({"pass": "tp", "source": sg.param_names[i], "param_index": i}):
+                x = DTensor.from_local(x, am.mesh, am.placements(tp=tp_pl), run_check=False,
+                                       shape=torch.Size(layout.shapes[i]),
+                                       stride=torch.empty(layout.shapes[i], device="meta").stride(), **grad)
         return x
 
     def read_experts(unread: list[Unread], consumer: torch.fx.Node, transposed: bool | None = None) -> list[torch.Tensor]:
@@ -778,9 +780,10 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
                 return [w.t() if transposed else w for w in mine.unbind(0)], _expert_placement(tp_pl, transposed)
             return ep_pass.owned_weights(xs, layout.ep, dim), tp_pl
 
-    def replayed(primals, tangents, gm=sg.gm, watch=None, stamped=frozenset()):
+    def replayed(primals, tangents, gm=sg.gm, rules=rules, watch=None, stamped=frozenset()):
         """``gm``: the step graph replayed (the reduced one, whose copies ``stamp`` adds, with
-        the parameters ``stamped`` read by none of its nodes); ``watch``: ``replay``'s."""
+        the parameters ``stamped`` read by none of its nodes, and ``rules`` on its nodes);
+        ``watch``: ``replay``'s."""
         with implicit_replication():
             vals = [Unread(functools.partial(read, i, x), i, x) for i, x in enumerate(primals[:P])]
             rest = list(primals[P:])
@@ -818,6 +821,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     tangents = [torch.ones(out_shape(outs_meta[i].shape), dtype=outs_meta[i].dtype, device=outs_meta[i].device)
                 for i in float_out]
+
     def joint(primals, tangents):
         return replayed(primals, tangents)
 
@@ -826,8 +830,10 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
             return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(example, tangents)
 
     # Runs of identical layers: one replayed, the others stamped from it (``passes/stamp.py``).
-    runs = stamp.find_runs(sg.gm, P) if stamp.enabled() and am is None and layout.ep is None else []
-    traced = _stamped(trace, replayed, sg, runs, len(outs_meta), wrt_index) if runs else None
+    runs = []
+    if stamp.enabled() and layout.ep is None and (am is None or not am.has("cp")):
+        runs = [r for r in stamp.find_runs(sg.gm, P) if stamp.alike(r, rules, layout)]
+    traced = _stamped(trace, replayed, sg, rules, runs, len(outs_meta), wrt_index) if runs else None
     if traced is None or stamp.checking():
         full = trace(joint)
         if traced is not None:
@@ -853,15 +859,22 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     return functional
 
 
-def _stamped(trace, replayed, sg, runs: list, n_outs: int, wrt: list[int]) -> torch.fx.GraphModule | None:
+def _stamped(trace, replayed, sg, rules: TPRules | None, runs: list, n_outs: int,
+             wrt: list[int]) -> torch.fx.GraphModule | None:
     """The joint graph of the step with only the first two layers of each run replayed, widened
     to every layer (``stamp.expand``); None where the replay does not show what the copies need."""
     rec = stamp.Recorder(runs)
     small = stamp.reduced(sg.gm, runs)
     skipped = frozenset(p for r in runs for k in r.copies for p in r.params[k])
+    if rules is not None:  # the same rules, on the reduced graph's nodes
+        on = {n.name: n for n in small.graph.nodes}
+        rules = dataclasses.replace(
+            rules, gathered={on[a.name]: {on[u.name] for u in us if u.name in on}
+                             for a, us in rules.gathered.items() if a.name in on},
+            to_residual={on[n.name] for n in rules.to_residual if n.name in on})
 
     def reduced_joint(primals, tangents):
-        return replayed(primals, tangents, gm=small, watch=rec, stamped=skipped)
+        return replayed(primals, tangents, gm=small, rules=rules, watch=rec, stamped=skipped)
 
     traced = trace(reduced_joint)
     names = {k: [n.name for n in r.nodes[k]] for r in runs for k in r.copies}

@@ -222,12 +222,12 @@ class Recorder:
     def __call__(self, n: fx.Node, out) -> None:
         if n.name not in self.names:
             return
-        if type(out) is not torch.Tensor and not _is_fake(out):
+        if not isinstance(out, torch.Tensor):
             self.failed = f"{n.name} hands on a {type(out).__name__}"
             return
-        self.value[n.name] = _node_of(out)
+        self.value[n.name] = _local_node(out)
         if out.requires_grad:
-            out.register_hook(lambda g, name=n.name: self.grad.__setitem__(name, _node_of(g)))
+            out.register_hook(lambda g, name=n.name: self.grad.__setitem__(name, _local_node(g)))
 
 
 def _is_fake(t) -> bool:
@@ -236,10 +236,48 @@ def _is_fake(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _node_of(t: torch.Tensor) -> fx.Node:
+def _local_node(t: torch.Tensor) -> tuple:
+    """(the node of ``t``'s local tensor, its placements: None for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import get_innermost_proxy_mode, get_proxy_slot
 
-    return get_proxy_slot(t, get_innermost_proxy_mode().tracer).proxy.node
+    spec = None
+    if isinstance(t, DTensor):
+        spec = (tuple(t.placements), tuple(t.shape))
+        t = t._local_tensor
+    return get_proxy_slot(t, get_innermost_proxy_mode().tracer).proxy.node, spec
+
+
+def alike(r: Run, rules, layout) -> bool:
+    """Whether the plan places the run's copies as its template: each parameter alike (TP and
+    data-parallel placement, local shape), and the TP rules name the same places in each layer
+    (the outputs that go back to the residual placement, the inputs read gathered)."""
+    t = r.template
+    for k in r.copies:
+        for a, b in zip(r.params[t], r.params[k]):
+            if a >= len(layout.shapes) or b >= len(layout.shapes):
+                continue  # a buffer
+            if (layout.tp.get(a), layout.tp_local_shape(a), layout.dp.get(a)) != (
+                    layout.tp.get(b), layout.tp_local_shape(b), layout.dp.get(b)):
+                return False
+    if rules is None:
+        return True
+
+    def places(k: int) -> tuple:
+        mine = {n: j for j, n in enumerate(r.nodes[k])}
+        before = {n: j for j, n in enumerate(r.nodes[k - 1])} if k - 1 in r.nodes else {}
+        if k == t:
+            before = {n: j for j, n in enumerate(r.nodes[r.first])}
+
+        def ref(a):
+            return ("own", mine[a]) if a in mine else ("before", before[a]) if a in before else ("shared", a)
+
+        residual = frozenset(mine[n] for n in r.nodes[k] if n in rules.to_residual)
+        gathered = frozenset((ref(a), mine[u]) for a, us in rules.gathered.items() for u in us if u in mine)
+        return residual, gathered
+
+    want = places(t)
+    return all(places(k) == want for k in r.copies)
 
 
 def expand(joint: fx.GraphModule, runs: list[Run], rec: Recorder, step_names: dict, param_names: list[str],
@@ -285,10 +323,12 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
         raise NotStampable("a carried value gets a gradient on one side only")
     g_out = [rec.grad[carried_t[j]] for j in with_grad]
     g_in = [rec.grad[carried_f[j]] for j in with_grad]
-    # The fixed point: what the template reads and hands on, and their gradients, alike.
-    for a, b in [*zip(v_in, v_out), *zip(g_in, g_out)]:
-        if _val_key(a.meta.get("val")) != _val_key(b.meta.get("val")) or _val_key(a.meta.get("val")) is None:
+    # The fixed point: what the template reads and hands on, and their gradients, alike (local
+    # shapes, strides, dtypes, and placements on the mesh).
+    for (a, sa), (b, sb) in [*zip(v_in, v_out), *zip(g_in, g_out)]:
+        if sa != sb or _val_key(a.meta.get("val")) != _val_key(b.meta.get("val")) or _val_key(a.meta.get("val")) is None:
             raise NotStampable(f"{a.name} and {b.name} differ")
+    v_in, v_out, g_in, g_out = ([x for x, _ in xs] for xs in (v_in, v_out, g_in, g_out))
     out_args = list(output.args[0])
     grad_at = {p: n_outs + i for i, p in enumerate(wrt)}
     if any(p not in grad_at for p in t_params):
@@ -322,7 +362,7 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
                     raise NotStampable(f"{n.name} reads another layer's parameter {a.name}")
                 continue
             if pos[a] >= run_start:
-                raise NotStampable(f"{n.name} reads {a.name}, made inside the run")
+                raise NotStampable(f"{n.name} reads {a.name}, made inside the run ({a.format_node()} {a.meta.get('custom')})")
     # Who reads them from outside: the forward's values, what comes after the run (then the
     # last copy's); the backward's, the layer below (its gradient) and the output.
     last_fw = max(pos[n] for n in fw)
