@@ -833,13 +833,15 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     runs = []
     if stamp.enabled() and layout.ep is None and (am is None or not am.has("cp")):
         runs = [r for r in stamp.find_runs(sg.gm, P) if stamp.alike(r, rules, layout)]
+    full = None
+    if runs and stamp.checking():
+        # (traced twice: a process's first trace of some steps makes constants later ones reuse)
+        full = trace(joint) and trace(joint)
     traced = _stamped(trace, replayed, sg, rules, runs, len(outs_meta), wrt_index) if runs else None
-    if traced is None or stamp.checking():
-        full = trace(joint)
-        if traced is not None:
-            stamp.same_graphs(traced, full)
-            full.meta.update(traced.meta)
-        traced = full
+    if full is not None and traced is not None:
+        stamp.same_graphs(traced, full)
+        full.meta.update(traced.meta)
+    traced = full or traced or trace(joint)
     # The partitioner takes a functional graph. A write into a tensor nothing else aliases (the
     # model's add_ on a fresh arange, an index_put_ into fresh zeros) is rewritten out of place;
     # what is left (a write through a view) needs functionalisation: a second trace of the whole

@@ -582,6 +582,11 @@ def same_graphs(a: fx.GraphModule, b: fx.GraphModule) -> None:
 
     for i, (x, y) in enumerate(zip(na, nb)):
         if desc(x, ia) != desc(y, ib):
+            if os.environ.get("AUTOPAR_STAMP_DEBUG") == "2":
+                for j in range(max(0, i - 3), i + 6):
+                    print(j, na[j].format_node()[:150], "||", nb[j].format_node()[:150])
+                print([q.format_node() for q in nb if q.op == "get_attr"][:5])
+                print([(q.format_node(), list(q.users)) for q in na if q.op == "get_attr"][:5])
             if os.environ.get("AUTOPAR_STAMP_DEBUG"):
                 for gg in (na, nb):
                     first = {}
