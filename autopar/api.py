@@ -1037,7 +1037,7 @@ def compile(
     meaning) or a precision name (``bf16-mixed``: fp32 masters, bf16 compute and gathers, fp32
     gradient reduction); by default a given plan's precision, else the parameters' own dtype.
     ``disable_passes``: optional passes (``ac``, ``overlap``) or switches (``bucket``,
-    ``inductor``, ``regions``) to turn off, for debugging; anything else is refused.
+    ``inductor``, ``regions``, ``stamp``) to turn off, for debugging; anything else is refused.
     """
     from autopar.runtime import guarded
 

@@ -61,9 +61,10 @@ class _Block(nn.Module):
     def __init__(self, dim: int, scale: float = 1.0):
         super().__init__()
         self.norm, self.lin, self.scale = nn.LayerNorm(dim), nn.Linear(dim, dim), scale
+        self.register_buffer("shift", torch.linspace(0, 1, dim))  # a buffer of each block's own
 
     def forward(self, x):
-        return x + self.scale * torch.tanh(self.lin(self.norm(x)))
+        return x + self.scale * torch.tanh(self.lin(self.norm(x)) + self.shift)
 
 
 class _Stack(nn.Module):
@@ -102,6 +103,21 @@ def test_only_layers_that_are_the_same_computation_are_copied():
     assert _runs(_Stack(odd=True)) == [(0, 1, [2])]
     assert _runs(_Stack(tied=True)) == []  # one weight's gradient sums over every block
     assert _runs(_Stack(every=True)) == []  # what a block makes is read after the next one
+
+
+def test_copied_blocks_with_buffers_and_a_frozen_layer(monkeypatch):
+    """Blocks with buffers of their own, copied (the joint checked against the full replay);
+    a block whose weights do not train ends the run (its copies would get gradients)."""
+    monkeypatch.setenv("AUTOPAR_STAMP", "check")
+    monkeypatch.setenv("AUTOPAR_QUIET", "1")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (4, 8))
+    pm = autopar.compile(_Stack(), 1, example_inputs=(ids,), example_target=ids, plan={"mb": 4}, compile=False)
+    assert pm.info.notes["distribute"] == ["layers 2-5 copied from layer 1's replay"]
+    model = _Stack()
+    model.blocks[4].requires_grad_(False)
+    pm = autopar.compile(model, 1, example_inputs=(ids,), example_target=ids, plan={"mb": 4}, compile=False)
+    assert pm.info.notes.get("distribute") in (None, [], ["layers 2-3 copied from layer 1's replay"])
 
 
 def test_copied_layers_train_as_the_single_process_model(monkeypatch):

@@ -10,7 +10,8 @@ The order (``step_passes``; ``api.compile`` runs it on each step graph):
    per parameter from ``passes/fsdp.py``, each parameter read where it is first used; under CP
    the sequence split over ``cp`` and attention over gathered keys and values, ``passes/cp.py``) under
    ``make_fx``, with the gradients taken by autograd: the result is one *joint* graph of forward
-   and backward on local tensors with every collective explicit (``_c10d_functional``).
+   and backward on local tensors with every collective explicit (``_c10d_functional``). Each run
+   of identical layers is replayed once and the rest copied (``passes/stamp.py``; switch ``stamp``).
 2. ``ac`` (``passes/ac.py``): tags forward nodes per layer for recomputation (full/selective)
    and, for ZeRO-3, the parameter all-gathers (under CP, the key/value gathers), in the joint graph.
 3. ``partition`` (``backend.py``): splits the joint graph into forward and backward graphs
@@ -117,7 +118,7 @@ class Pass:
 
 # What the user may turn off by name beside the optional passes: overlap's merging into buckets
 # (one collective per parameter instead) and Inductor (the same graphs run eagerly).
-SWITCHES = ("bucket", "inductor")
+SWITCHES = ("bucket", "inductor", "stamp")
 
 
 def split_passes() -> list[Pass]:

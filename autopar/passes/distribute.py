@@ -697,14 +697,16 @@ def replay(gm: torch.fx.GraphModule, values: list, rules: TPRules | None, am: Ac
     raise AutoparError("the step graph has no output")
 
 
-def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: list) -> torch.fx.GraphModule:
+def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: list,
+                stamping: bool = True) -> torch.fx.GraphModule:
     """The joint graph ``(primals, tangents) -> [*outputs, *gradients]`` on local tensors.
 
     ``primals`` = local parameter shards, buffers, inputs (and target). Gradients are returned
     for the parameters that require them, in parameter order, averaged over data parallelism,
     then for the inputs that require them (a pipeline stage's received activations). There is one
     tangent per output in ``grad_outputs``; the data-parallel average (1/dp) is applied where the
-    gradient starts, at the graph that makes the model's output (the last pipeline stage)."""
+    gradient starts, at the graph that makes the model's output (the last pipeline stage).
+    ``stamping``: each run of identical layers replayed once, the others copied (``stamp.py``)."""
     P = sg.n_params
     wrt_index = grad_inputs(sg, example)
     dp = layout.dp_size if sg.final else 1
@@ -831,7 +833,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     # Runs of identical layers: one replayed, the others stamped from it (``passes/stamp.py``).
     runs = []
-    if stamp.enabled() and layout.ep is None and (am is None or not am.has("cp")):
+    if stamping and layout.ep is None and (am is None or not am.has("cp")):
         runs = [r for r in stamp.find_runs(sg.gm, P) if stamp.alike(r, rules, layout)]
     full = None
     if runs and stamp.checking():
@@ -884,6 +886,11 @@ def _stamped(trace, replayed, sg, rules: TPRules | None, runs: list, n_outs: int
         stamp.expand(traced, runs, rec, names, sg.param_names, sg.layers, n_outs, wrt)
     except stamp.NotStampable as e:
         log.info("distribute: every layer replayed (%s)", e)
+        return None
+    except Exception as e:  # noqa: BLE001 - the replay of every layer is the same graph, made slower
+        if stamp.checking():
+            raise
+        log.warning("distribute: copying layers failed (%s: %s); every layer replayed", type(e).__name__, e)
         return None
     traced.meta["stamped"] = [f"layers {r.copies[0]}-{r.copies[-1]} copied from layer {r.template}'s replay"
                               for r in runs]
@@ -961,7 +968,8 @@ def distribute(gm: torch.fx.GraphModule, plan, ctx: passes.PassContext) -> torch
     the Layout, the TP rules and the example primals."""
     s = ctx.step
     assert s.graph.gm is gm
-    joint = build_joint(s.graph, s.layout, s.rules, bool(plan.sp) and plan.tp > 1, s.example)
+    joint = build_joint(s.graph, s.layout, s.rules, bool(plan.sp) and plan.tp > 1, s.example,
+                        stamping="stamp" not in ctx.disabled)
     for line in joint.meta.get("stamped", ()):
         ctx.note("distribute", line)
     return joint

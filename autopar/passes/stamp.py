@@ -44,11 +44,8 @@ class NotStampable(Exception):
     """The replay of a reduced step does not show what a stamped copy needs; replay every layer."""
 
 
-def enabled() -> bool:
-    return os.environ.get("AUTOPAR_STAMP", "1") != "0"
-
-
 def checking() -> bool:
+    """``AUTOPAR_STAMP=check``: every stamped joint compared with the replay of every layer (tests)."""
     return os.environ.get("AUTOPAR_STAMP") == "check"
 
 
@@ -331,9 +328,11 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
     v_in, v_out, g_in, g_out = ([x for x, _ in xs] for xs in (v_in, v_out, g_in, g_out))
     out_args = list(output.args[0])
     grad_at = {p: n_outs + i for i, p in enumerate(wrt)}
-    if any(p not in grad_at for p in t_params):
-        raise NotStampable("a template parameter gets no gradient")
-    pg = [out_args[grad_at[p]] for p in r.params[t]]
+    # (parameters that train: those the joint returns a gradient for; buffers and frozen ones not)
+    graded = [(k, a, b) for k in r.copies for a, b in zip(r.params[t], r.params[k]) if a in grad_at or b in grad_at]
+    if any(a not in grad_at or b not in grad_at for _, a, b in graded):
+        raise NotStampable("a parameter trains in one layer and not in another")
+    pg = [out_args[grad_at[p]] for p in r.params[t] if p in grad_at]
     if any(not isinstance(x, fx.Node) for x in pg):
         raise NotStampable("a template parameter's gradient is not a node")
     # The template's backward: what makes its parameters' gradients and the gradient it hands
@@ -362,7 +361,7 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
                     raise NotStampable(f"{n.name} reads another layer's parameter {a.name}")
                 continue
             if pos[a] >= run_start:
-                raise NotStampable(f"{n.name} reads {a.name}, made inside the run ({a.format_node()} {a.meta.get('custom')})")
+                raise NotStampable(f"{n.name} reads {a.name}, made inside the run")
     # Who reads them from outside: the forward's values, what comes after the run (then the
     # last copy's); the backward's, the layer below (its gradient) and the output.
     last_fw = max(pos[n] for n in fw)
@@ -373,14 +372,19 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
                 if pos[u] <= last_fw:
                     raise NotStampable(f"{u.name} reads the template's {n.name} inside its forward")
                 fw_readers.setdefault(u, []).append(n)
+    below_first = _descendants(g_in)  # the first layer's backward and what follows it
+    if any(u in below_first for u in fw_readers):
+        raise NotStampable("the layer below reads the template's forward in its backward")
     g_in_set = set(g_in)
     for n in bw:
         for u in n.users:
             if u not in mine and u is not output and n not in g_in_set:
                 raise NotStampable(f"{u.name} reads the template's backward node {n.name}")
     g_out_readers = {u for x in g_out for u in x.users if u in bw_set}
-    first_bw = min(bw, key=pos.__getitem__) if bw else None
-    if first_bw is not None and any(pos[x] > pos[first_bw] for x in g_out if x in pos):
+    if not bw:
+        raise NotStampable("the template has no backward")
+    first_bw = min(bw, key=pos.__getitem__)
+    if any(pos[x] > pos[first_bw] for x in g_out if x in pos):
         raise NotStampable("a gradient into the template comes after its backward starts")
 
     # Copies: forwards after the template's, in order; backwards before its, last layer first.
@@ -416,13 +420,12 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
                    {_storage(a): last[a] for a in fw if _storage(a) in owned})
     # The copies' parameters' gradients, where the reduced replay had zeros.
     dead = []
-    for k in r.copies:
-        for a, b in zip(r.params[t], r.params[k]):
-            made = copiers[k].m.get(out_args[grad_at[a]])
-            if b not in grad_at or made is None:
-                raise NotStampable(f"no gradient for parameter {param_names[b]}")
-            dead.append(out_args[grad_at[b]])
-            out_args[grad_at[b]] = made
+    for k, a, b in graded:
+        made = copiers[k].m.get(out_args[grad_at[a]])
+        if made is None:
+            raise NotStampable(f"no gradient for parameter {param_names[b]}")
+        dead.append(out_args[grad_at[b]])
+        out_args[grad_at[b]] = made
     output.args = (out_args,)
     for x in dead:
         if isinstance(x, fx.Node):
@@ -442,6 +445,17 @@ def _ancestors(roots: set) -> set:
             continue
         seen.add(n)
         todo.extend(a for a in n.all_input_nodes if a.op != "placeholder")
+    return seen
+
+
+def _descendants(roots: list) -> set:
+    seen, todo = set(), list(roots)
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u not in seen and u.op != "output":
+                seen.add(u)
+                todo.append(u)
     return seen
 
 
@@ -544,7 +558,8 @@ class _Copier:
 def _retag(t: int, k: int, r: Run, step_names: dict, param_names: list[str], layer_names: list[str]):
     """The ``custom`` annotation of a copy for layer ``k`` from the template's."""
     names = dict(zip((n.name for n in r.nodes[t]), step_names[k]))
-    names.update({param_names[a]: param_names[b] for a, b in zip(r.params[t], r.params[k])})
+    names.update({param_names[a]: param_names[b] for a, b in zip(r.params[t], r.params[k])
+                  if a < len(param_names) and b < len(param_names)})  # (not buffers)
     index = dict(zip(r.params[t], r.params[k]))
     mod = layer_names[t]
 
@@ -582,21 +597,6 @@ def same_graphs(a: fx.GraphModule, b: fx.GraphModule) -> None:
 
     for i, (x, y) in enumerate(zip(na, nb)):
         if desc(x, ia) != desc(y, ib):
-            if os.environ.get("AUTOPAR_STAMP_DEBUG") == "2":
-                for j in range(max(0, i - 3), i + 6):
-                    print(j, na[j].format_node()[:150], "||", nb[j].format_node()[:150])
-                print([q.format_node() for q in nb if q.op == "get_attr"][:5])
-                print([(q.format_node(), list(q.users)) for q in na if q.op == "get_attr"][:5])
-            if os.environ.get("AUTOPAR_STAMP_DEBUG"):
-                for gg in (na, nb):
-                    first = {}
-                    for jj, q in enumerate(gg):
-                        for v in pytree.tree_leaves(q.meta.get("val")):
-                            if isinstance(v, torch.Tensor):
-                                first.setdefault(StorageWeakRef(v.untyped_storage()), (jj, q.name))
-                    for jj in (i - 1, i):
-                        v = gg[jj].meta["val"]
-                        print(jj, gg[jj].name, first[StorageWeakRef(v.untyped_storage())])
             raise AssertionError(f"stamped joint differs at node {i}: {x.format_node()} {desc(x, ia)} | "
                                  f"{y.format_node()} {desc(y, ib)}")
     if len(na) != len(nb):
