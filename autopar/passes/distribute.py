@@ -21,9 +21,9 @@ instead (``passes/coords.py``): the TP ranks' graphs are the same and compile on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +39,8 @@ from autopar import passes
 from autopar.errors import AutoparError
 from autopar.fxops import ATTENTION_OPS, SPLIT_OPS, ZEROS, mutates, out_of_place
 from autopar.grouped_mm import GROUPED_MM, grouped_mm
-from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules  # noqa: F401  (registers sharding rules)
+from autopar.passes import GATHERED_INPUT, coords, cp, dtensor_rules, stamp  # noqa: F401  (registers sharding rules)
 from autopar.passes import ep as ep_pass
-from autopar.passes import stamp
 from autopar.passes.cp import ActMesh
 from autopar.passes.fsdp import read_param, replicated
 from autopar.passes.tp import TPRules

@@ -89,7 +89,6 @@ def find_runs(gm: fx.GraphModule, n_params: int) -> list[Run]:
             return []  # interleaved with other nodes: not a block
         blocks.append((layer, ns))
     blocks.sort(key=lambda b: pos[b[1][0]])
-    params = {i for i, n in enumerate(nodes[:n_params]) if n.op == "placeholder"}
     phs = [n for n in nodes if n.op == "placeholder"]
     trained = {n for n in phs[:n_params] if n.meta.get("trained", True)}
     depends = _dependents(nodes, trained)
