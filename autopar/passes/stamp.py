@@ -19,11 +19,15 @@ What makes a run (``find_runs``), read from the step graph, nothing assumed of t
   values (rotary tables, masks: none trained) and the values of the layer just before it at the
   same places; nothing but the next layer reads a layer's values (the last one's: anything after).
 
+What the plan must do alike (``alike``): place each copy's parameters as the template's (TP and
+data-parallel placement, local shape), and name the same places in each layer in its TP rules.
+
 What the replay must show before the copies are trusted (``expand``, else the full replay runs):
-what the template reads of the first layer and what it hands on have the same shapes, strides
-and dtypes, and so do the gradients coming back into them; every node of the template's forward
-and backward reads only the template's own nodes, its parameters, what the first layer handed
-it, the gradients coming into its outputs and values made before the run.
+what the template reads of the first layer and what it hands on have the same local shapes,
+strides, dtypes and placements on the mesh, and so do the gradients coming back into them; every
+node of the template's forward and backward reads only the template's own nodes, its parameters,
+what the first layer handed it, the gradients coming into its outputs and values made before
+the run. Not used under context or expert parallelism (``distribute.build_joint``).
 """
 
 from __future__ import annotations
