@@ -37,7 +37,8 @@ def _check(kind: str, world: int, plans: list) -> list[dict]:
 
 # (model, world, plans, the layers copied): data parallelism of every kind, TP with SP and
 # selective AC, routed experts under TP, a model whose first layer is another kind (DeepSeek-V2's
-# dense MLP), local and global attention layers (Gemma 3: five local, then a global one).
+# dense MLP), local and global attention layers (Gemma 3: five local, then a global one, which
+# ends the run).
 CASES = [
     ("hf-llama-5layers", 1, [{"mb": 8}], "layers 2-4 copied from layer 1's replay"),
     ("hf-llama-5layers", 4, [FSDP4, {**FSDP4, "ac": "full"}, {"dp": 4, "fsdp": 0, "pp": 1},
@@ -48,6 +49,10 @@ CASES = [
     ("hf-deepseek-v2-5layers", 4, [FSDP4], "layers 3-4 copied from layer 2's replay"),
     ("hf-gemma3-8layers", 4, [TP2_FSDP2_SP], "layers 2-4 copied from layer 1's replay"),
     ("hf-gpt2-5layers", 4, [TP2_FSDP2_SP], "layers 2-4 copied from layer 1's replay"),
+    # Local and global attention layers in turn (Gemma 2; gpt-oss, whose experts are 3-D
+    # parameters with biases): blocks of two layers.
+    ("hf-gemma2-8layers", 4, [TP2_FSDP2_SP, {**FSDP4, "ac": "full"}], "layers 4-7 copied from layers 2-3's replay"),
+    ("hf-gpt-oss-8layers", 4, [TP2_FSDP2_SP], "layers 4-7 copied from layers 2-3's replay"),
 ]
 
 

@@ -891,8 +891,7 @@ def _stamped(trace, replayed, sg, rules: TPRules | None, runs: list, n_outs: int
             raise
         log.warning("distribute: copying layers failed (%s: %s); every layer replayed", type(e).__name__, e)
         return None
-    traced.meta["stamped"] = [f"layers {r.copies[0]}-{r.copies[-1]} copied from layer {r.template}'s replay"
-                              for r in runs]
+    traced.meta["stamped"] = [r.note() for r in runs]
     return traced
 
 

@@ -12,7 +12,9 @@ copied before it, reading its own parameters, what the layer before it made and 
 the layer above it hands down. The result is the graph a replay of every layer makes, in the
 same order (``tests/test_stamp.py`` compares the two node for node).
 
-What makes a run (``find_runs``), read from the step graph, nothing assumed of the model:
+What makes a run (``find_runs``), read from the step graph, nothing assumed of the model (a
+"layer" below is one layer, or a block of 2, 3, 4 or 6 consecutive layers where the model's
+layers come in kinds that take turns, Gemma 2's local and global attention):
 - each layer's nodes are contiguous, and nothing lies between the run's layers;
 - the layers after the first are the same operations on the same relative inputs (shapes,
   strides, dtypes), each reading its own parameters (read by no other node), the same shared
@@ -55,14 +57,27 @@ def checking() -> bool:
 
 @dataclass
 class Run:
-    """Layers ``first``, ``template``, then ``copies`` (their indices), each a block of step nodes."""
+    """Blocks ``first``, ``template``, then ``copies``, each of one layer or of a period of
+    layers that repeats (Gemma 2's local and global pair), named by their first layer's index."""
 
     first: int
     template: int
     copies: list[int]
-    nodes: dict  # layer -> its step nodes, in order
-    params: dict  # layer -> its parameter indices, in the order its nodes first read them
-    carried: list[int]  # positions in a layer's nodes of the values the next layer reads
+    nodes: dict  # block -> its step nodes, in order
+    params: dict  # block -> its parameter indices, in the order its nodes first read them
+    carried: list[int]  # positions in a block's nodes of the values the next block reads
+    span: dict  # block -> its layers' indices
+
+    def before(self, k: int) -> int:
+        """The block before block ``k`` of the run."""
+        order = [self.first, self.template, *self.copies]
+        return order[order.index(k) - 1]
+
+    def note(self) -> str:
+        """Which layers were copied, for ``explain``."""
+        what = self.span[self.template]
+        src = f"layer {what[0]}" if len(what) == 1 else f"layers {what[0]}-{what[-1]}"
+        return f"layers {self.span[self.copies[0]][0]}-{self.span[self.copies[-1]][-1]} copied from {src}'s replay"
 
 
 def _layer(n: fx.Node):
@@ -80,7 +95,9 @@ def _val_key(v):
 
 
 def find_runs(gm: fx.GraphModule, n_params: int) -> list[Run]:
-    """The runs of at least three identical layers in the step graph (see the module's docstring)."""
+    """The runs of at least three identical blocks in the step graph (see the module's
+    docstring): blocks of one layer, or, where those leave most layers out (layers of two or
+    more kinds in turn), of a period of 2, 3, 4 or 6 layers."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     by_layer: dict = {}
@@ -96,21 +113,41 @@ def find_runs(gm: fx.GraphModule, n_params: int) -> list[Run]:
     phs = [n for n in nodes if n.op == "placeholder"]
     trained = {n for n in phs[:n_params] if n.meta.get("trained", True)}
     depends = _dependents(nodes, trained)
-    # Each layer's description relative to the one before it.
-    keys = [None] * len(blocks)
+    best = _runs_of([(b[0], [b[0]], b[1]) for b in blocks], pos, phs, n_params, depends)
+    for period in (2, 3, 4, 6):
+        if _covered(best) * 2 >= len(blocks):
+            break
+        for off in range(period):
+            groups = []
+            for i in range(off, len(blocks) - period + 1, period):
+                part = blocks[i:i + period]
+                if all(pos[a[1][-1]] + 1 == pos[b[1][0]] for a, b in zip(part, part[1:])):
+                    groups.append((part[0][0], [b[0] for b in part], [n for b in part for n in b[1]]))
+            found = _runs_of(groups, pos, phs, n_params, depends)
+            if _covered(found) > _covered(best):
+                best = found
+    return best
+
+
+def _covered(runs: list[Run]) -> int:
+    return sum(len(r.span[k]) for r in runs for k in r.copies)
+
+
+def _runs_of(blocks: list, pos: dict, phs: list, n_params: int, depends: set) -> list[Run]:
+    """The runs among ``blocks`` (name, layers, nodes), consecutive in the graph."""
+    keys = [None] * len(blocks)  # each block's description relative to the one before it
     for b in range(1, len(blocks)):
-        (_, prev), (_, mine) = blocks[b - 1], blocks[b]
-        if pos[prev[-1]] + 1 != pos[mine[0]]:
-            continue  # something between them
-        keys[b] = _relative_key(mine, prev, phs, n_params, depends)
+        prev, mine = blocks[b - 1][2], blocks[b][2]
+        if pos[prev[-1]] + 1 == pos[mine[0]]:  # (else something lies between them)
+            keys[b] = _relative_key(mine, prev, phs, n_params, depends)
     runs = []
     b = 1
     while b < len(blocks):
         e = b
         while e + 1 < len(blocks) and keys[b] is not None and keys[e + 1] == keys[b]:
             e += 1
-        if keys[b] is not None and e - b >= 1 and _ops_key(blocks[b - 1][1]) == _ops_key(blocks[b][1]):
-            run = _run(blocks[b - 1:e + 1], phs, n_params)
+        if keys[b] is not None and e - b >= 1 and _ops_key(blocks[b - 1][2]) == _ops_key(blocks[b][2]):
+            run = _run(blocks[b - 1:e + 1], phs)
             if run is not None:
                 runs.append(run)
         b = e + 1
@@ -162,31 +199,31 @@ def _relative_key(mine: list, prev: list, phs: list, n_params: int, depends: set
     return _ops_key(mine), tuple(kinds.values())
 
 
-def _run(blocks: list, phs: list, n_params: int) -> Run | None:
-    layers = [b[0] for b in blocks]
-    nodes = dict(blocks)
+def _run(blocks: list, phs: list) -> Run | None:
+    names = [b[0] for b in blocks]
+    nodes = {b[0]: b[2] for b in blocks}
     index = {p: i for i, p in enumerate(phs)}
     params = {}
-    for layer, ns in blocks:
+    for name, _, ns in blocks:
         inside, own = set(ns), []
         for n in ns:
             for a in n.all_input_nodes:
                 if a.op == "placeholder" and a not in own and all(u in inside for u in a.users):
                     own.append(a)
-        params[layer] = [index[a] for a in own]
-    # Readers of a layer's values: the next layer only (the run's last: anything after it).
+        params[name] = [index[a] for a in own]
+    # Readers of a block's values: the next block only (the run's last: anything after it).
     carried = set()
-    for k in range(len(layers) - 1):
-        inside, nxt = set(nodes[layers[k]]), set(nodes[layers[k + 1]])
-        for j, n in enumerate(nodes[layers[k]]):
+    for k in range(len(names) - 1):
+        inside, nxt = set(nodes[names[k]]), set(nodes[names[k + 1]])
+        for j, n in enumerate(nodes[names[k]]):
             outside = [u for u in n.users if u not in inside]
             if any(u not in nxt for u in outside):
                 return None
             if outside and k == 1:
                 carried.add(j)
-    if not carried or any(len(params[x]) != len(params[layers[1]]) for x in layers[1:]):
+    if not carried or any(len(params[x]) != len(params[names[1]]) for x in names[1:]):
         return None
-    return Run(layers[0], layers[1], layers[2:], nodes, params, sorted(carried))
+    return Run(names[0], names[1], names[2:], nodes, params, sorted(carried), {b[0]: b[1] for b in blocks})
 
 
 def reduced(gm: fx.GraphModule, runs: list[Run]) -> fx.GraphModule:
@@ -265,9 +302,7 @@ def alike(r: Run, rules, layout) -> bool:
 
     def places(k: int) -> tuple:
         mine = {n: j for j, n in enumerate(r.nodes[k])}
-        before = {n: j for j, n in enumerate(r.nodes[k - 1])} if k - 1 in r.nodes else {}
-        if k == t:
-            before = {n: j for j, n in enumerate(r.nodes[r.first])}
+        before = {n: j for j, n in enumerate(r.nodes[r.before(k)])}
 
         def ref(a):
             return ("own", mine[a]) if a in mine else ("before", before[a]) if a in before else ("shared", a)
@@ -559,25 +594,27 @@ class _Copier:
 
 
 def _retag(t: int, k: int, r: Run, step_names: dict, param_names: list[str], layer_names: list[str]):
-    """The ``custom`` annotation of a copy for layer ``k`` from the template's."""
+    """The ``custom`` annotation of a copy, block ``k``, from the template's (block ``t``)."""
     names = dict(zip((n.name for n in r.nodes[t]), step_names[k]))
     names.update({param_names[a]: param_names[b] for a, b in zip(r.params[t], r.params[k])
                   if a < len(param_names) and b < len(param_names)})  # (not buffers)
     index = dict(zip(r.params[t], r.params[k]))
-    mod = layer_names[t]
+    layers = dict(zip(r.span[t], r.span[k]))
 
     def retag(custom: dict) -> dict:
         c = dict(custom)
         for key in ("layer", "use_layer"):
-            if c.get(key) == t:
-                c[key] = k
+            if c.get(key) in layers:
+                c[key] = layers[c[key]]
         if c.get("source") in names:
             c["source"] = names[c["source"]]
         if c.get("param_index") in index:
             c["param_index"] = index[c["param_index"]]
         module = c.get("module")
-        if isinstance(module, str) and (module == mod or module.startswith(mod + ".")):
-            c["module"] = layer_names[k] + module[len(mod):]
+        if isinstance(module, str) and c.get("layer") in layers.values():
+            mine, theirs = layer_names[c["layer"]], layer_names[next(a for a, b in layers.items() if b == c["layer"])]
+            if module == theirs or module.startswith(theirs + "."):
+                c["module"] = mine + module[len(theirs):]
         return c
 
     return retag
