@@ -837,7 +837,8 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     full = None
     if runs and stamp.checking():
         # (traced twice: a process's first trace of some steps makes constants later ones reuse)
-        full = trace(joint) and trace(joint)
+        trace(joint)
+        full = trace(joint)
     traced = _stamped(trace, replayed, sg, rules, runs, len(outs_meta), wrt_index) if runs else None
     if full is not None and traced is not None:
         stamp.same_graphs(traced, full)

@@ -189,7 +189,7 @@ def _relative_key(mine: list, prev: list, phs: list, n_params: int, depends: set
             if a in inside or a in kinds:
                 continue
             if a.op == "placeholder" and all(u in inside for u in a.users):
-                kinds[a] = ("own", _val_key(a.meta.get("val")))
+                kinds[a] = ("own", _val_key(a.meta.get("val")), a.meta.get("trained"))
             elif a in before:
                 kinds[a] = ("carried", before[a])
             elif a in depends or a.op == "placeholder" and phs.index(a) < n_params:
@@ -239,8 +239,7 @@ def reduced(gm: fx.GraphModule, runs: list[Run]) -> fx.GraphModule:
         if n not in drop:
             env[n] = g.node_copy(n, lambda a: env[sub.get(a, a)])
     assert all(env[n].name == n.name for n in env), "reduced: a node was renamed"
-    out = fx.GraphModule(gm, g)
-    return out
+    return fx.GraphModule(gm, g)
 
 
 class Recorder:

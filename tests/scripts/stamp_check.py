@@ -1,8 +1,9 @@
 """For one model and several plans: the joint graph built with each run of identical layers
 replayed once and the rest copied (``passes/stamp.py``) checked node for node against the replay
 of every layer (``AUTOPAR_STAMP=check`` raises where they differ), on a fake process group of
-``world`` ranks (no process group for 1). Prints, per plan, JSON: what the distribute pass noted
-(which layers were copied) or the error. Graphs only (the steps run eagerly).
+``world`` ranks (no process group for 1), with default options (Inductor compiles the graphs;
+nothing runs on the fake group). Prints, per plan, JSON: what the distribute pass noted (which
+layers were copied) or the error.
 Usage: stamp_check.py KIND WORLD PLAN_JSON..."""
 import json
 import os
@@ -28,7 +29,7 @@ for plan in sys.argv[3:]:
     inputs, target = zoo.example(base, 0, B=8, S=16)
     try:
         pm = autopar.compile(model, world, example_inputs=inputs, example_target=target, plan=json.loads(plan),
-                             compile=False, loss_fn=zoo.loss_of(kind))
+                             loss_fn=zoo.loss_of(kind))
         print(json.dumps({"plan": plan, "copied": pm.info.notes.get("distribute", [])}), flush=True)
     except Exception as e:  # noqa: BLE001 - reported to the test
         print(json.dumps({"plan": plan, "error": f"{type(e).__name__}: {e}"[:3000]}), flush=True)
