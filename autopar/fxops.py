@@ -259,6 +259,18 @@ def mutates(gm: torch.fx.GraphModule) -> bool:
         not isinstance(n.target, torch._ops.OpOverload) or n.target._schema.is_mutable) for n in gm.graph.nodes)
 
 
+def ancestors(roots) -> set:
+    """``roots`` (the nodes among them) and every node they read, transitively."""
+    seen, stack = set(), [r for r in roots if isinstance(r, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack += n.all_input_nodes
+    return seen
+
+
 def first_by_storage(nodes) -> dict:
     """Storage -> the name of the first of ``nodes`` whose value lives in it."""
     out: dict = {}

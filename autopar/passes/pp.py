@@ -29,6 +29,7 @@ import torch
 
 from autopar.capture import StepGraph
 from autopar.errors import AutoparError
+from autopar.fxops import ancestors
 from autopar.passes import graph_module
 
 
@@ -210,16 +211,6 @@ def split_backward(bw: torch.fx.GraphModule, n_weight: int) -> tuple[torch.fx.Gr
     (out,) = g.find_nodes(op="output")
     outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     w_outs, i_outs = outs[:n_weight], outs[n_weight:]
-
-    def ancestors(roots) -> set:
-        seen, stack = set(), [r for r in roots if isinstance(r, torch.fx.Node)]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack += n.all_input_nodes
-        return seen
 
     in_i = ancestors(i_outs)
     in_w = ancestors(w_outs) - in_i

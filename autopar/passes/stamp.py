@@ -43,6 +43,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopar.fxops import ancestors
+
 log = logging.getLogger(__name__)
 
 
@@ -374,8 +376,8 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
         raise NotStampable("a template parameter's gradient is not a node")
     # The template's backward: what makes its parameters' gradients and the gradient it hands
     # down, from the gradients coming into its outputs.
-    above = _ancestors(set(g_out))
-    below = _ancestors(set(g_in) | set(pg)) - above
+    above = ancestors(set(g_out))
+    below = ancestors(set(g_in) | set(pg)) - above
     bw = [n for n in nodes[bw_start:] if n.op == "call_function" and n in below]
     bw_set = set(bw)
     fw_set = set(fw)
@@ -472,17 +474,6 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
 def _remap(u: fx.Node, m: dict) -> None:
     u.args = fx.node.map_arg(u.args, lambda a: m.get(a, a))
     u.kwargs = fx.node.map_arg(u.kwargs, lambda a: m.get(a, a))
-
-
-def _ancestors(roots: set) -> set:
-    seen, todo = set(), list(roots)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(a for a in n.all_input_nodes if a.op != "placeholder")
-    return seen
 
 
 def _descendants(roots: list) -> set:
