@@ -108,7 +108,10 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
 def _inductor_config(gm: torch.fx.GraphModule) -> dict:
     """Inductor's settings for ``gm`` that differ from its defaults (see ``compile_graph``)."""
     calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
-    return {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
+    # No benchmark harness in the generated module: code that makes random inputs for every
+    # input of the graph (800 in a 32-layer backward), written and byte-compiled, never run.
+    return {"reorder_for_peak_memory": False, "benchmark_harness": False,
+            **({"triton.mix_order_reduction": False} if calls else {})}
 
 
 # Compiled graphs found again by autopar's own digest of the graph, before Inductor's trace and

@@ -13,8 +13,28 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 def machine() -> dict:
     return {
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(), "cpu": _cpu_model(), "python_loop_s": _python_speed(), "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _python_speed() -> float:
+    """Seconds for ten million iterations of a Python loop (the best of three): how fast this
+    machine runs Python, which most of a compile is, so runs on different machines compare."""
+    best = float("inf")
+    for _ in range(3):
+        t, s = time.perf_counter(), 0
+        for i in range(10_000_000):
+            s += i
+        best = min(best, time.perf_counter() - t)
+    return round(best, 2)
 
 
 def run_depths(argv, world: int, run, finish) -> list[dict]:

@@ -832,7 +832,7 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     # Runs of identical layers: one replayed, the others stamped from it (``passes/stamp.py``).
     runs = []
-    if stamping and layout.ep is None and (am is None or not am.has("cp")):
+    if stamping:
         runs = [r for r in stamp.find_runs(sg.gm, P) if stamp.alike(r, rules, layout)]
     full = None
     if runs and stamp.checking():
