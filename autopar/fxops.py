@@ -253,10 +253,16 @@ def out_of_place(gm: torch.fx.GraphModule, restrides: bool = True) -> None:
 
 def mutates(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` may write into a value: an ATen operation that mutates an argument
-    (``add_``, ``copy_``, an ``out=`` variant), or any call that is not an ATen operation (a
-    higher-order operator's body is not looked into). False: the graph is functional."""
-    return any(n.op == "call_function" and n.target is not operator.getitem and (
-        not isinstance(n.target, torch._ops.OpOverload) or n.target._schema.is_mutable) for n in gm.graph.nodes)
+    (``add_``, ``copy_``, an ``out=`` variant), or any other call that reads a tensor (a
+    higher-order operator's body is not looked into); arithmetic on sizes (expert parallelism's
+    sums of split sizes) reads none. False: the graph is functional."""
+    def writes(n: torch.fx.Node) -> bool:
+        if isinstance(n.target, torch._ops.OpOverload):
+            return n.target._schema.is_mutable
+        return any(not isinstance(a.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+                   for a in n.all_input_nodes)
+
+    return any(n.op == "call_function" and n.target is not operator.getitem and writes(n) for n in gm.graph.nodes)
 
 
 def ancestors(roots) -> set:

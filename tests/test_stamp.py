@@ -36,9 +36,9 @@ def _check(kind: str, world: int, plans: list) -> list[dict]:
 
 
 # (model, world, plans, the layers copied): data parallelism of every kind, TP with SP and
-# selective AC, context parallelism, routed experts under TP and under expert parallelism, a
-# model whose first layer is another kind (DeepSeek-V2's dense MLP), local and global attention
-# layers (Gemma 3: five local, then a global one, which ends the run).
+# selective AC, context parallelism, routed experts under TP, a model whose first layer is
+# another kind (DeepSeek-V2's dense MLP), local and global attention layers (Gemma 3: five
+# local, then a global one, which ends the run).
 CASES = [
     ("hf-llama-5layers", 1, [{"mb": 8}], "layers 2-4 copied from layer 1's replay"),
     ("hf-llama-5layers", 4, [FSDP4, {**FSDP4, "ac": "full"}, {"dp": 4, "fsdp": 0, "pp": 1},
@@ -46,9 +46,8 @@ CASES = [
                              {**TP2_FSDP2_SP, "ac": "selective"}, {"tp": 4, "sp": 0, "pp": 1},
                              {"cp": 2, "tp": 2, "sp": 1}],
      "layers 2-4 copied from layer 1's replay"),
-    ("hf-mixtral-5layers", 4, [TP2_FSDP2_SP, {"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}],
-     "layers 2-4 copied from layer 1's replay"),
-    ("hf-deepseek-v2-5layers", 4, [FSDP4, {"ep": 4, "dp": 4, "fsdp": 1}], "layers 3-4 copied from layer 2's replay"),
+    ("hf-mixtral-5layers", 4, [TP2_FSDP2_SP], "layers 2-4 copied from layer 1's replay"),
+    ("hf-deepseek-v2-5layers", 4, [FSDP4], "layers 3-4 copied from layer 2's replay"),
     ("hf-gemma3-8layers", 4, [TP2_FSDP2_SP], "layers 2-4 copied from layer 1's replay"),
     ("hf-gpt2-5layers", 4, [TP2_FSDP2_SP], "layers 2-4 copied from layer 1's replay"),
     # Local and global attention layers in turn (Gemma 2; gpt-oss, whose experts are 3-D

@@ -832,7 +832,8 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
 
     # Runs of identical layers: one replayed, the others stamped from it (``passes/stamp.py``).
     runs = []
-    if stamping:
+    # (not under expert parallelism: each layer's routed rows are sized when it runs, no two alike)
+    if stamping and layout.ep is None:
         runs = [r for r in stamp.find_runs(sg.gm, P) if stamp.alike(r, rules, layout)]
     full = None
     if runs and stamp.checking():
@@ -863,6 +864,13 @@ def build_joint(sg, layout: Layout, rules: TPRules | None, sp: bool, example: li
     return functional
 
 
+def _data_dependent(gm: torch.fx.GraphModule) -> bool:
+    """Whether a value of ``gm`` has a size known only when it runs (an unbacked symbol)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return any(free_unbacked_symbols(n.meta.get("val")) for n in gm.graph.nodes if "val" in n.meta)
+
+
 def _stamped(trace, replayed, sg, rules: TPRules | None, runs: list, n_outs: int,
              wrt: list[int]) -> torch.fx.GraphModule | None:
     """The joint graph of the step with only the first two layers of each run replayed, widened
@@ -881,6 +889,10 @@ def _stamped(trace, replayed, sg, rules: TPRules | None, runs: list, n_outs: int
         return replayed(primals, tangents, gm=small, rules=rules, watch=rec, stamped=skipped)
 
     traced = trace(reduced_joint)
+    if _data_dependent(traced):
+        # (a copy's values would carry the template's symbols, where each layer's sizes differ)
+        log.info("distribute: every layer replayed (sizes known only when the step runs)")
+        return None
     names = {k: [n.name for n in r.nodes[k]] for r in runs for k in r.copies}
     try:
         stamp.expand(traced, runs, rec, names, sg.param_names, sg.layers, n_outs, wrt)

@@ -29,9 +29,8 @@ what the template reads of the first layer and what it hands on have the same lo
 strides, dtypes and placements on the mesh, and so do the gradients coming back into them; every
 node of the template's forward and backward reads only the template's own nodes, its parameters,
 what the first layer handed it, the gradients coming into its outputs and values made before
-the run. (A template's own nodes are those made replaying its step nodes, reading its
-parameters, or for a use in its layers: routed experts' weights moved to their ranks under
-expert parallelism.)
+the run. Not used under expert parallelism, where each layer's routed rows are sized when the
+step runs (``distribute.build_joint``; a replay showing such sizes elsewhere: ``_stamped``).
 """
 
 from __future__ import annotations
@@ -345,12 +344,8 @@ def _expand_run(joint, r: Run, rec: Recorder, step_names, param_names, layer_nam
     t, first = r.template, r.first
     t_names = {n.name for n in r.nodes[t]}
     t_params = set(r.params[t])
-    t_layers = set(r.span[t])
-    # (its own nodes, its parameters' reads, and what the replay made for a use in its layers:
-    # expert weights moved to their experts' ranks)
     fw = [n for n in nodes[:bw_start] if n.op == "call_function" and (
-        n.meta.get("custom", {}).get("source") in t_names or n.meta.get("custom", {}).get("param_index") in t_params
-        or n.meta.get("custom", {}).get("use_layer") in t_layers)]
+        n.meta.get("custom", {}).get("source") in t_names or n.meta.get("custom", {}).get("param_index") in t_params)]
     if not fw:
         raise NotStampable("the template made no forward nodes")
     carried_t = [r.nodes[t][j].name for j in r.carried]
