@@ -5,18 +5,11 @@ each kind of plan (data parallel with mixed precision, TP with SP, pipeline stag
 context parallelism) and model family. Run on a fake process group (nothing runs), with
 default options (Inductor compiles each graph)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from autopar import backend
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "decompose_check.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.scripts import graph_check
 
 TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
 CASES = [
@@ -30,13 +23,7 @@ CASES = [
 
 @pytest.mark.parametrize("kind,world,plans", CASES, ids=[c[0] + f"-w{c[1]}" for c in CASES])
 def test_decomposed_graph_is_the_retrace(kind, world, plans):
-    r = subprocess.run([sys.executable, SCRIPT, kind, str(world), *map(json.dumps, plans)], capture_output=True,
-                       text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(out) == len(plans), r.stdout[-2000:] + r.stderr[-2000:]
-    for o in out:
-        assert o.get("ok"), o
+    graph_check.run("AUTOPAR_DECOMPOSE", kind, world, plans)
 
 
 def test_check_finds_a_graph_that_differs(monkeypatch):

@@ -4,11 +4,6 @@ node for node (operations, inputs, annotations, shapes, strides, dtypes, aliasin
 kind of plan it takes; layers that are not the same computation are never copied; the copied
 step trains as the single-process model does, compiled by Inductor."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
@@ -16,23 +11,10 @@ import torch.nn as nn
 import autopar
 from autopar.passes import stamp
 from tests import zoo
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "stamp_check.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.scripts import graph_check
 
 FSDP4 = {"dp": 4, "fsdp": 1, "pp": 1}
 TP2_FSDP2_SP = {"tp": 2, "sp": 1, "dp": 2, "fsdp": 1, "pp": 1}
-
-
-def _check(kind: str, world: int, plans: list) -> list[dict]:
-    r = subprocess.run([sys.executable, SCRIPT, kind, str(world), *map(json.dumps, plans)], capture_output=True,
-                       text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(out) == len(plans), r.stdout[-2000:] + r.stderr[-2000:]
-    for o in out:
-        assert "error" not in o, o
-    return out
 
 
 # (model, world, plans, the layers copied): data parallelism of every kind, TP with SP and
@@ -59,7 +41,7 @@ CASES = [
 
 @pytest.mark.parametrize("kind,world,plans,copied", CASES, ids=[c[0] + f"-w{c[1]}" for c in CASES])
 def test_copied_layers_make_the_graph_every_layer_replayed_makes(kind, world, plans, copied):
-    for o in _check(kind, world, plans):
+    for o in graph_check.run("AUTOPAR_STAMP", kind, world, plans):
         assert o["copied"] == [copied], o
 
 
