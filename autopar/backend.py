@@ -375,7 +375,9 @@ class _Decomposer:
                 m[s].meta = dict(s.meta)
             elif s.op == "output":
                 res = s.args[0]
-                return (tuple(m[x] for x in res) if isinstance(res, (tuple, list)) else m[res])
+                # (an output may be None: a convolution's backward with no input gradient)
+                return (tuple(m[x] if isinstance(x, torch.fx.Node) else x for x in res)
+                        if isinstance(res, (tuple, list)) else m[res])
             else:
                 m[s] = g.node_copy(s, lambda x: m[x])
                 if not fresh:

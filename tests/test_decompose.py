@@ -2,8 +2,8 @@
 compiles is, node for node (operation, shape, strides, dtype; layer subgraphs and constants
 included), the graph a retrace of the whole graph through the same decompositions makes, for
 each kind of plan (data parallel with mixed precision, TP with SP, pipeline stages, experts,
-context parallelism) and model family. Run on a fake process group (nothing runs), with
-default options (Inductor compiles each graph)."""
+context parallelism) and model family (an image model's convolution among them). Run on a fake
+process group (nothing runs), with default options (Inductor compiles each graph)."""
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ CASES = [
     ("hf-llama-4layers", 4, [{"pp": 2, "dp": 2, "fsdp": 1, "tp": 1, "schedule": "zbv", "v": 2, "mb": 1}]),
     ("hf-mixtral", 4, [{"ep": 2, "tp": 2, "dp": 2, "fsdp": 1}]),
     ("hf-gpt2", 4, [{"cp": 2, "dp": 2, "fsdp": 1, "pp": 1}, TP2_FSDP2_SP]),
+    ("hf-deit", 1, [{"mb": 8}]),  # a convolution, whose backward makes no input gradient
 ]
 
 
