@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import os
 import sys
 import time
@@ -108,10 +107,7 @@ def compile_graph(gm: torch.fx.GraphModule, inductor: bool) -> Callable:
 def _inductor_config(gm: torch.fx.GraphModule) -> dict:
     """Inductor's settings for ``gm`` that differ from its defaults (see ``compile_graph``)."""
     calls = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
-    # No benchmark harness in the generated module: code that makes random inputs for every
-    # input of the graph (800 in a 32-layer backward), written and byte-compiled, never run.
-    return {"reorder_for_peak_memory": False, "benchmark_harness": False,
-            **({"triton.mix_order_reduction": False} if calls else {})}
+    return {"reorder_for_peak_memory": False, **({"triton.mix_order_reduction": False} if calls else {})}
 
 
 # Compiled graphs found again by autopar's own digest of the graph, before Inductor's trace and
@@ -216,21 +212,27 @@ def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:
     (the partition pass), the parameters among the inputs. So it goes straight to Inductor's
     graph compiler (what ``torch.compile`` calls for an inference graph: its joint- and post-grad
     passes, lowering, code generation, its FX graph cache, from which ranks with the same graph
-    load what the first compiled) after Inductor's decompositions are applied (``decomposed``),
-    instead of through ``standalone_compile``, whose AOTAutograd front end traces the whole step
-    twice more (HF Llama, 32 layers: Inductor's part of the compile 40 -> 30 s). The result is
-    boxed: Inductor's code takes the list of inputs and empties it."""
+    load what the first compiled) after one trace that applies Inductor's decompositions, instead
+    of through ``standalone_compile``, whose AOTAutograd front end traces the whole step twice
+    more (HF Llama, 32 layers: Inductor's part of the compile 40 -> 30 s). The trace runs in a tracing context,
+    where each layer subgraph is traced once for all its calls. The result is boxed: Inductor's
+    code takes the list of inputs and empties it."""
     import inspect
 
     import torch.fx.traceback as fx_traceback
     from torch._inductor import compile_fx as cfx
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.virtualized import V
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     fake = _fake_mode(vals)
     ctx = torch._guards.TracingContext(fake)
+
+    def run(*args):
+        return torch.fx.Interpreter(gm).run(*args)
+
     with fake, torch._guards.tracing(ctx), fx_traceback.preserve_node_meta():
-        gm = decomposed(gm, vals, select_decomp_table())
+        gm = make_fx(run, decomposition_table=select_decomp_table(), tracing_mode="fake")(*vals)
     n_out = len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
     # (its argument is the graph in torch 2.13, Inductor's config module before)
     takes_gm = next(iter(inspect.signature(cfx.create_compiler_config_extra).parameters)) == "gm"
@@ -241,216 +243,6 @@ def _inductor(gm: torch.fx.GraphModule, vals: list) -> Callable:
     with torch._guards.tracing(ctx), V.set_fake_mode(fake):
         return cfx.compile_fx_forward(gm, vals, num_orig_model_outputs=n_out, num_example_inputs=len(vals),
                                       compiler_config_extra=extra, is_inference=True)
-
-
-def decomposed(gm: torch.fx.GraphModule, vals: list, table: dict) -> torch.fx.GraphModule:
-    """``gm`` with ``table``'s decompositions applied: the graph a ``make_fx`` retrace of it with
-    ``table`` makes. Where every value has a static shape, each operation that decomposes (it is in
-    ``table``, or it has only a composite kernel) is replaced by the operations its trace on its
-    inputs' fake values gives, and every other node is kept as it is (layer calls and their
-    outputs, views, collectives: ~85 nodes a layer that a retrace dispatched again, the layer
-    calls running their subgraph's fake propagation each time); each layer subgraph is
-    decomposed once. Else (symbolic shapes) the whole graph is retraced. Run under the graph's
-    fake mode and ``preserve_node_meta``: new nodes carry the meta of the node they replace."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def retraced():
-        return make_fx(lambda *a: torch.fx.Interpreter(gm).run(*a), decomposition_table=table,
-                       tracing_mode="fake")(*vals)
-
-    if not all(_static(n.meta.get("val")) for n in gm.graph.nodes if n.op != "output"):
-        return retraced()
-    out = _Decomposer(table).graph(gm)
-    if os.environ.get("AUTOPAR_DECOMPOSE") == "check":  # tests: the retrace's graph, node for node
-        want, got = _described(retraced()), _described(out)
-        if want != got:
-            at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
-                      min(len(want), len(got)))
-            raise AssertionError(f"decomposed graph differs from the retrace at node {at}: "
-                                 f"{want[at:at + 3]} != {got[at:at + 3]} ({len(want)} vs {len(got)} nodes)")
-    return out
-
-
-def _described(gm: torch.fx.GraphModule) -> list:
-    """What ``decomposed``'s check compares: each node's operation and value (shape, strides,
-    dtype), layer subgraphs and constants included."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            a = _attr(gm, n.target)
-            out.append(("subgraph", _described(a)) if isinstance(a, torch.fx.GraphModule)
-                       else ("constant", _value(a)))
-        else:
-            out.append((n.op, str(n.target) if n.op == "call_function" else "",
-                        torch.utils._pytree.tree_map(_value, n.meta.get("val")) if n.op != "output" else None))
-    return out
-
-
-def _value(v):
-    if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, str(v.device))
-    return v
-
-
-def _static(v) -> bool:
-    """A node's value holds no symbol (a tensor of static shape, a number, a tuple of them)."""
-    sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
-    for x in torch.utils._pytree.tree_leaves(v):
-        if isinstance(x, sym) or (isinstance(x, torch.Tensor) and any(
-                isinstance(d, sym) for d in (*x.shape, *x.stride(), x.storage_offset()))):
-            return False
-    return True
-
-
-class _Decomposer:
-    """``decomposed``'s node-by-node rewrite (see there). The trace of an operation is kept by
-    what decides it (the operation, its constant arguments, each tensor argument's shape, strides,
-    offset, dtype, device and which arguments share a storage): the next node it fits (the same
-    operation in the next layer) is given a copy of that trace, with its own values and meta."""
-
-    def __init__(self, table: dict):
-        self.table, self.subs, self.traces, self.constants = table, {}, {}, {}
-
-    def decomposes(self, n: torch.fx.Node) -> bool:
-        op = n.target
-        return (n.op == "call_function" and isinstance(op, torch._ops.OpOverload)
-                and (op in self.table or torch._C._dispatch_has_kernel_for_dispatch_key(
-                    op.name(), "CompositeImplicitAutograd")))
-
-    def graph(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        if id(gm) in self.subs:
-            return self.subs[id(gm)]
-        g, env, root = torch.fx.Graph(), {}, torch.nn.Module()
-        for n in gm.graph.nodes:
-            if n.op == "get_attr":
-                obj = _attr(gm, n.target)
-                if isinstance(obj, torch.fx.GraphModule):
-                    obj = self.graph(obj)
-                _set_attr(root, n.target, obj)
-            if n.op == "call_function" and n.target is operator.getitem and isinstance(env.get(n.args[0]), tuple):
-                env[n] = env[n.args[0]][n.args[1]]  # an output of a decomposed multi-output operation
-            elif self.decomposes(n):
-                env[n] = self.inline(g, n, env, root)
-            else:
-                env[n] = g.node_copy(n, lambda x: env[x])
-        out = torch.fx.GraphModule(root, g)
-        self.subs[id(gm)] = out
-        return out
-
-    def inline(self, g: torch.fx.Graph, n: torch.fx.Node, env: dict, root: torch.nn.Module):
-        """``n`` replaced in ``g`` by its trace through the decompositions: the node (or tuple of
-        nodes) that holds its value."""
-        import torch.fx.traceback as fx_traceback
-        import torch.utils._pytree as pytree
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        leaves, spec = pytree.tree_flatten((n.args, n.kwargs))
-        at = [i for i, a in enumerate(leaves) if isinstance(a, torch.fx.Node)]
-        key = _trace_key(n.target, leaves, spec)
-        small = self.traces.get(key) if key is not None else None
-        fresh = small is None
-        if fresh:
-            def op(*values):
-                filled = list(leaves)
-                for i, v in zip(at, values, strict=True):
-                    filled[i] = v
-                args, kwargs = pytree.tree_unflatten(filled, spec)
-                return n.target(*args, **kwargs)
-
-            with fx_traceback.set_current_meta(n):
-                small = make_fx(op, decomposition_table=self.table, tracing_mode="fake")(
-                    *[leaves[i].meta["val"] for i in at])
-            if key is not None:
-                self.traces[key] = small
-        m, inputs = {}, iter(at)
-        for s in small.graph.nodes:
-            if s.op == "placeholder":
-                m[s] = env[leaves[next(inputs)]]
-            elif s.op == "get_attr":  # a constant the decomposition made: one buffer a graph for every copy
-                name = self.constants.get((id(root), id(small), s.target))
-                if name is None:
-                    name = self.constants[id(root), id(small), s.target] = f"_decomposed_constant_{len(self.constants)}"
-                    root.register_buffer(name, _attr(small, s.target))
-                m[s] = g.get_attr(name)
-                m[s].meta = dict(s.meta)
-            elif s.op == "output":
-                res = s.args[0]
-                # (an output may be None: a convolution's backward with no input gradient)
-                return (tuple(m[x] if isinstance(x, torch.fx.Node) else x for x in res)
-                        if isinstance(res, (tuple, list)) else m[res])
-            else:
-                m[s] = g.node_copy(s, lambda x: m[x])
-                if not fresh:
-                    _meta_of(m[s], s, n)
-        raise AssertionError("a traced graph without an output")
-
-
-# What a trace under ``preserve_node_meta`` copies onto each node it makes from the node it
-# replays (torch.fx.proxy): a copied trace takes these from the node it now stands for.
-_REPLAYED_META = ("stack_trace", "seq_nr", "nn_module_stack", "torch_fn", "source_fn_stack", "recompute",
-                  "ac_graph_id", "has_backward_hook", "from_node", "custom", "partitioner_tag")
-
-
-def _meta_of(new: torch.fx.Node, traced: torch.fx.Node, source: torch.fx.Node) -> None:
-    """``new``, a copy of ``traced`` standing for ``source``: the trace's own meta, ``source``'s
-    where the trace took the replayed node's, and its value computed from its inputs' values."""
-    import copy
-
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
-    meta = {k: v for k, v in traced.meta.items() if k not in _REPLAYED_META and k not in ("val", "tensor_meta")}
-    meta.update({k: copy.copy(source.meta[k]) for k in _REPLAYED_META if k in source.meta})
-    args, kwargs = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], (new.args, new.kwargs))
-    val = new.target(*args, **kwargs)
-    meta["val"] = val
-    if isinstance(val, torch.Tensor):
-        meta["tensor_meta"] = _extract_tensor_metadata(val)
-    new.meta = meta
-
-
-def _trace_key(op, leaves: list, spec) -> tuple | None:
-    """What decides an operation's trace through the decompositions (``_Decomposer``); None where
-    an argument is not a tensor, a number or a constant that hashes."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    first: dict = {}
-    parts = []
-    for a in leaves:
-        if isinstance(a, torch.fx.Node):
-            v = a.meta.get("val")
-            if not isinstance(v, torch.Tensor):
-                return None
-            shared = first.setdefault(StorageWeakRef(v.untyped_storage()), len(first))
-            parts.append((tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device,
-                          v.requires_grad, shared))
-        else:
-            parts.append(("constant", type(a), a))
-    key = (op, str(spec), tuple(parts))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _attr(mod: torch.nn.Module, target: str):
-    for part in target.split("."):
-        mod = getattr(mod, part)
-    return mod
-
-
-def _set_attr(root: torch.nn.Module, target: str, obj) -> None:
-    *path, last = target.split(".")
-    for part in path:
-        if not hasattr(root, part):
-            root.add_module(part, torch.nn.Module())
-        root = getattr(root, part)
-    if isinstance(obj, torch.nn.Module):
-        root.add_module(last, obj)
-    elif isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
-        root.register_buffer(last, obj)
-    else:
-        setattr(root, last, obj)
 
 
 def _static_stride(v) -> tuple | None:

@@ -2,9 +2,8 @@
 makes, node for node, on a fake process group of ``world`` ranks (no process group for 1), with
 default options (Inductor compiles every graph; nothing runs on the fake group). ``CHECK`` names
 the check, set as its environment variable: ``AUTOPAR_STAMP`` (the joint graph built with runs of
-identical layers copied against the replay of every layer, ``passes/stamp.py``) or
-``AUTOPAR_DECOMPOSE`` (each compiled graph decomposed node by node against a whole retrace,
-``backend.decomposed``); either raises where the graphs differ. A plan's ``"mp"`` names the mixed
+identical layers copied against the replay of every layer, ``passes/stamp.py``), which raises
+where the graphs differ. A plan's ``"mp"`` names the mixed
 precision (passed as FSDP2's policy). Prints, per plan, JSON: what the distribute pass noted
 (which layers were copied) or the error.
 Usage: graph_check.py CHECK KIND WORLD PLAN_JSON..."""
