@@ -148,3 +148,23 @@ def test_copied_layers_train_as_the_single_process_model(monkeypatch):
     assert len(grads) == len(list(ref.parameters()))
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_size_arithmetic_is_no_write_but_a_call_on_a_tensor_may_be():
+    """``fxops.mutates``: a non-ATen call reading only sizes (expert parallelism's sum of split
+    sizes) leaves the graph functional, so no second trace; one reading a tensor may write it."""
+    import operator
+
+    from autopar.fxops import mutates
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+    n = g.call_function(torch.ops.aten.sym_size.int, (x, 0))
+    n.meta["val"] = 4
+    total = g.call_function(operator.add, (n, n))
+    total.meta["val"] = 8
+    g.output(total)
+    assert not mutates(torch.fx.GraphModule({}, g))
+    g.call_function(print, (x,)).meta["val"] = None
+    assert mutates(torch.fx.GraphModule({}, g))
